@@ -1,0 +1,152 @@
+/*
+ * attnres — fused Block Attention Residuals (Kimi team, arXiv:2603.15031).
+ *
+ * The C ABI that every front end (Python, C++, other languages) goes through.
+ *
+ * For every token t (tokens are independent) and every source i < L, where the
+ * sources are the N completed blocks followed by the optional partial block:
+ *
+ *   r_i   = sqrt(mean_d(v_i[d]^2) + eps)          (rmsnorm on; r_i = 1 when off)
+ *   z_i   = scale * dot(w, gamma * v_i / r_i)     (gamma taken as 1 when rmsnorm off)
+ *   alpha = softmax_i(z)
+ *   h     = sum_i alpha_i * v_i                   (values are the raw sources)
+ *
+ * Backward takes g = dLoss/dh and writes dLoss/dv_i for every source, dLoss/dw and
+ * dLoss/dgamma (see docs/ or the reference in src/ref/ for the formulas).
+ *
+ * Memory layout. Every per-token tensor is a set of rows of `dim` contiguous
+ * elements, one row per token, consecutive rows `*_row_stride` elements apart
+ * (stride >= dim). A [B, T, D] tensor whose B and T dimensions collapse to one
+ * stride (e.g. contiguous, or a slice x[..., :D] of a wider tensor) is read in
+ * place. Blocks are passed as an array of N pointers: nothing is stacked or copied.
+ * Caches are dense [num_tokens, L] arrays of the accumulation type (float for
+ * f32/bf16/f16, double for f64).
+ *
+ * Errors. Every call validates all of its arguments before touching any memory and
+ * returns a status. On failure nothing is written to any output, and
+ * attnres_last_error() (per thread) names the offending argument with the expected
+ * and actual values.
+ */
+#ifndef ATTNRES_ATTNRES_H_
+#define ATTNRES_ATTNRES_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define ATTNRES_API __declspec(dllexport)
+#else
+#define ATTNRES_API __attribute__((visibility("default")))
+#endif
+
+#define ATTNRES_VERSION_MAJOR 0
+#define ATTNRES_VERSION_MINOR 1
+#define ATTNRES_VERSION_PATCH 0
+/* Bumped whenever attnres_params changes layout; checked by attnres_params_init. */
+#define ATTNRES_ABI_VERSION 1
+
+typedef enum attnres_status {
+  ATTNRES_OK = 0,
+  ATTNRES_ERROR_NULL_POINTER = 1,     /* a required pointer is NULL */
+  ATTNRES_ERROR_INVALID_ARGUMENT = 2, /* a size, stride, flag or scalar is out of range */
+  ATTNRES_ERROR_UNSUPPORTED_DTYPE = 3,
+  ATTNRES_ERROR_OVERLAP = 4,          /* an output buffer overlaps an input or another output */
+  ATTNRES_ERROR_OUT_OF_MEMORY = 5,    /* scratch memory could not be allocated */
+  ATTNRES_ERROR_UNSUPPORTED_DEVICE = 6 /* the backend was not built or is not present */
+} attnres_status;
+
+typedef enum attnres_dtype {
+  ATTNRES_DTYPE_FLOAT32 = 0,
+  ATTNRES_DTYPE_FLOAT64 = 1,
+  ATTNRES_DTYPE_BFLOAT16 = 2,
+  ATTNRES_DTYPE_FLOAT16 = 3
+} attnres_dtype;
+
+typedef enum attnres_device {
+  ATTNRES_DEVICE_CPU = 0,
+  ATTNRES_DEVICE_CUDA = 1
+} attnres_device;
+
+/*
+ * The one parameter block of every call. Forward reads the "inputs" group and
+ * writes `out` (and the caches when non-NULL); backward reads the inputs plus
+ * `grad_out` (and the caches when non-NULL, recomputing them otherwise) and writes
+ * the gradient group. Fill it with attnres_params_init() first: that sets the
+ * defaults (scale 1, eps 1e-6, rmsnorm on) and NULL for every pointer.
+ */
+typedef struct attnres_params {
+  int32_t abi_version;  /* ATTNRES_ABI_VERSION, set by attnres_params_init */
+
+  /* Sizes. */
+  int64_t num_tokens; /* B*T, >= 0 (0 is a valid no-op) */
+  int64_t dim;        /* D, >= 1 */
+  int64_t num_blocks; /* N, >= 0; L = N + (partial != NULL) must be >= 1 */
+  attnres_dtype dtype;   /* of every source, w, gamma, out, grad_out and gradient */
+  attnres_device device; /* where every pointer lives */
+  void* stream;          /* cudaStream_t for ATTNRES_DEVICE_CUDA; ignored on the CPU */
+
+  /* Inputs. */
+  const void* const* blocks; /* N pointers to [num_tokens rows of dim] */
+  const void* partial;       /* optional partial block, same layout, or NULL */
+  int64_t source_row_stride; /* row stride of every block and of partial */
+  const void* proj_weight;   /* w, [dim] */
+  const void* gamma;         /* RMSNorm weight [dim]; NULL means all ones */
+  double scale;              /* finite */
+  double eps;                /* >= 0 and finite */
+  int32_t rmsnorm;           /* 1: normalise keys with RMSNorm, 0: keys are raw sources */
+
+  /* Forward outputs. */
+  void* out;              /* h, [num_tokens rows of dim] */
+  int64_t out_row_stride;
+  void* rms_cache;        /* optional [num_tokens, L]; only with rmsnorm */
+  void* alpha_cache;      /* optional [num_tokens, L] softmax weights */
+
+  /* Backward: upstream gradient and outputs. A NULL gradient pointer skips that
+   * gradient (no write, no extra work beyond what the others need). */
+  const void* grad_out;   /* dLoss/dh, [num_tokens rows of dim] */
+  int64_t grad_out_row_stride;
+  void* const* grad_blocks;      /* NULL, or N pointers each NULL or [rows of dim] */
+  void* grad_partial;            /* optional */
+  int64_t grad_source_row_stride;/* row stride of every grad_blocks[i] and grad_partial */
+  void* grad_proj_weight;        /* optional [dim], overwritten */
+  void* grad_gamma;              /* optional [dim], overwritten; only with rmsnorm */
+} attnres_params;
+
+/* Library version "MAJOR.MINOR.PATCH" and the ISA the CPU kernels dispatched to. */
+ATTNRES_API const char* attnres_version(void);
+ATTNRES_API const char* attnres_cpu_isa(void);
+
+/* Defaults: abi_version, scale = 1, eps = 1e-6, rmsnorm = 1, CPU, everything else 0. */
+ATTNRES_API void attnres_params_init(attnres_params* params);
+
+/* Forward: writes out, and rms_cache / alpha_cache when they are non-NULL. */
+ATTNRES_API attnres_status attnres_forward(const attnres_params* params);
+
+/* Backward: writes every non-NULL gradient pointer. Uses rms_cache / alpha_cache
+ * when given (as written by attnres_forward with the same inputs), recomputes
+ * them otherwise. dw and dgamma are bitwise reproducible for any thread count. */
+ATTNRES_API attnres_status attnres_backward(const attnres_params* params);
+
+/* The message of the last failed call on this thread ("" if none). */
+ATTNRES_API const char* attnres_last_error(void);
+
+/* Human-readable name of a status code. */
+ATTNRES_API const char* attnres_status_string(attnres_status status);
+
+/* CPU threads. The default is the number of cores, overridden by the environment
+ * variable ATTNRES_NUM_THREADS, then OMP_NUM_THREADS. n <= 0 restores the default. */
+ATTNRES_API void attnres_set_num_threads(int n);
+ATTNRES_API int attnres_get_num_threads(void);
+
+/* 1 if the library was built with the CUDA backend and a device is present. */
+ATTNRES_API int attnres_cuda_available(void);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* ATTNRES_ATTNRES_H_ */
