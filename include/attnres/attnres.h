@@ -56,7 +56,9 @@ typedef enum attnres_status {
   ATTNRES_ERROR_UNSUPPORTED_DTYPE = 3,
   ATTNRES_ERROR_OVERLAP = 4,          /* an output buffer overlaps an input or another output */
   ATTNRES_ERROR_OUT_OF_MEMORY = 5,    /* scratch memory could not be allocated */
-  ATTNRES_ERROR_UNSUPPORTED_DEVICE = 6 /* the backend was not built or is not present */
+  ATTNRES_ERROR_UNSUPPORTED_DEVICE = 6, /* the backend was not built or is not present */
+  ATTNRES_ERROR_DEVICE_FAILURE = 7,    /* a device call or kernel launch failed */
+  ATTNRES_ERROR_INTERNAL = 8           /* a bug in attnres: please report it */
 } attnres_status;
 
 typedef enum attnres_dtype {
@@ -116,9 +118,18 @@ typedef struct attnres_params {
   void* grad_gamma;              /* optional [dim], overwritten; only with rmsnorm */
 } attnres_params;
 
-/* Library version "MAJOR.MINOR.PATCH" and the ISA the CPU kernels dispatched to. */
+/* Library version "MAJOR.MINOR.PATCH". */
 ATTNRES_API const char* attnres_version(void);
+
+/* CPU kernel variants compiled into the library: "avx512", "avx2" and "baseline"
+ * (any x86-64; the only one on other architectures). The best one this CPU runs is
+ * chosen at load; ATTNRES_CPU_ISA in the environment, or attnres_set_cpu_isa(),
+ * forces another (tests and benchmarks run every one). NULL restores the automatic
+ * choice. Fails with ATTNRES_ERROR_INVALID_ARGUMENT for a name that is unknown, not
+ * compiled in, or not supported by this CPU. Not meant to be called while another
+ * thread is inside attnres_forward/backward. */
 ATTNRES_API const char* attnres_cpu_isa(void);
+ATTNRES_API attnres_status attnres_set_cpu_isa(const char* name);
 
 /* Defaults: abi_version, scale = 1, eps = 1e-6, rmsnorm = 1, CPU, everything else 0. */
 ATTNRES_API void attnres_params_init(attnres_params* params);

@@ -1,0 +1,317 @@
+// The C ABI: validates every argument once, before any memory is touched, then
+// hands the params to a backend. Backends trust what arrives here.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <new>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "attnres/attnres.h"
+#include "backend.h"
+
+namespace attnres {
+namespace {
+
+thread_local std::string g_last_error;
+
+int64_t ElementBytes(attnres_dtype dtype) {
+  switch (dtype) {
+    case ATTNRES_DTYPE_FLOAT64: return 8;
+    case ATTNRES_DTYPE_FLOAT32: return 4;
+    default: return 2;
+  }
+}
+
+// The byte range [begin, end) a buffer spans, with its name for messages.
+struct Span {
+  uintptr_t begin, end;
+  std::string name;
+  bool is_output;
+};
+
+// Checks arguments in order and keeps the first failure.
+class Validator {
+ public:
+  explicit Validator(const char* function) : function_(function) {}
+
+  bool ok() const { return status_ == ATTNRES_OK; }
+
+  attnres_status Finish() {
+    if (!ok()) Fail(status_, message_);
+    return status_;
+  }
+
+  template <typename... Args>
+  void Check(bool condition, attnres_status status, const Args&... parts) {
+    if (!ok() || condition) return;
+    std::ostringstream os;
+    os << function_ << ": ";
+    (os << ... << parts);
+    status_ = status;
+    message_ = os.str();
+  }
+
+  void NotNull(const void* p, const std::string& name) {
+    Check(p != nullptr, ATTNRES_ERROR_NULL_POINTER, name, " must not be NULL");
+  }
+
+  void Aligned(const void* p, int64_t alignment, const std::string& name) {
+    Check(reinterpret_cast<uintptr_t>(p) % alignment == 0, ATTNRES_ERROR_INVALID_ARGUMENT, name,
+          " must be aligned to ", alignment, " bytes (its element size), got address ", p);
+  }
+
+  void RowStride(int64_t stride, int64_t dim, const char* name) {
+    Check(stride >= dim, ATTNRES_ERROR_INVALID_ARGUMENT, name, " must be >= dim (", dim,
+          "), got ", stride);
+  }
+
+  // Records the span of a [rows, stride] buffer whose rows hold `cols` elements.
+  void AddRows(const void* p, int64_t rows, int64_t stride, int64_t cols, int64_t elem,
+               const std::string& name, bool is_output) {
+    if (!ok() || p == nullptr || rows == 0) return;
+    Aligned(p, elem, name);
+    int64_t elems = 0, bytes = 0;
+    const bool overflow = __builtin_mul_overflow(rows - 1, stride, &elems) ||
+                          __builtin_add_overflow(elems, cols, &elems) ||
+                          __builtin_mul_overflow(elems, elem, &bytes);
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
+    Check(!overflow && bytes >= 0 && begin + static_cast<uintptr_t>(bytes) >= begin,
+          ATTNRES_ERROR_INVALID_ARGUMENT, name, " spans more than the address space (", rows,
+          " rows, row stride ", stride, ")");
+    if (ok()) spans_.push_back({begin, begin + static_cast<uintptr_t>(bytes), name, is_output});
+  }
+
+  // No output may overlap an input or another output (inputs may share memory).
+  // Sorted sweep: the span that ends last among earlier inputs/outputs is the one
+  // a later span can overlap.
+  void NoOverlap() {
+    if (!ok()) return;
+    std::sort(spans_.begin(), spans_.end(),
+              [](const Span& a, const Span& b) { return a.begin < b.begin; });
+    const Span* last_input = nullptr;
+    const Span* last_output = nullptr;
+    for (const Span& s : spans_) {
+      const Span* hit = nullptr;
+      if (last_output != nullptr && s.begin < last_output->end) hit = last_output;
+      if (hit == nullptr && s.is_output && last_input != nullptr && s.begin < last_input->end) {
+        hit = last_input;
+      }
+      if (hit != nullptr) {
+        Check(false, ATTNRES_ERROR_OVERLAP, s.is_output ? s.name : hit->name,
+              " overlaps ", s.is_output ? hit->name : s.name,
+              " (outputs must not share memory with inputs or other outputs)");
+        return;
+      }
+      const Span*& last = s.is_output ? last_output : last_input;
+      if (last == nullptr || s.end > last->end) last = &s;
+    }
+  }
+
+ private:
+  const char* function_;
+  attnres_status status_ = ATTNRES_OK;
+  std::string message_;
+  std::vector<Span> spans_;
+};
+
+// Checks shared by forward and backward, then the spans of the inputs.
+void ValidateCommon(Validator& v, const attnres_params* p) {
+  v.NotNull(p, "params");
+  if (!v.ok()) return;
+  v.Check(p->abi_version == ATTNRES_ABI_VERSION, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "params.abi_version must be ", ATTNRES_ABI_VERSION,
+          " (initialise params with attnres_params_init), got ", p->abi_version);
+  v.Check(p->dtype >= ATTNRES_DTYPE_FLOAT32 && p->dtype <= ATTNRES_DTYPE_FLOAT16,
+          ATTNRES_ERROR_UNSUPPORTED_DTYPE,
+          "dtype must be one of float32 (0), float64 (1), bfloat16 (2), float16 (3), got ",
+          static_cast<int>(p->dtype));
+  v.Check(p->device == ATTNRES_DEVICE_CPU || p->device == ATTNRES_DEVICE_CUDA,
+          ATTNRES_ERROR_UNSUPPORTED_DEVICE, "device must be CPU (0) or CUDA (1), got ",
+          static_cast<int>(p->device));
+  v.Check(p->device != ATTNRES_DEVICE_CUDA || CudaAvailable(), ATTNRES_ERROR_UNSUPPORTED_DEVICE,
+          "device is CUDA, but this build of attnres has no CUDA backend or no CUDA device is "
+          "present");
+  v.Check(p->num_tokens >= 0, ATTNRES_ERROR_INVALID_ARGUMENT, "num_tokens must be >= 0, got ",
+          p->num_tokens);
+  v.Check(p->dim >= 1, ATTNRES_ERROR_INVALID_ARGUMENT, "dim must be >= 1, got ", p->dim);
+  v.Check(p->num_blocks >= 0, ATTNRES_ERROR_INVALID_ARGUMENT, "num_blocks must be >= 0, got ",
+          p->num_blocks);
+  v.Check(NumSources(*p) >= 1, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "at least one source is needed (num_blocks >= 1 or a partial block), got num_blocks = ",
+          p->num_blocks, " and no partial block");
+  v.Check(p->rmsnorm == 0 || p->rmsnorm == 1, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "rmsnorm must be 0 or 1, got ", p->rmsnorm);
+  v.Check(std::isfinite(p->scale), ATTNRES_ERROR_INVALID_ARGUMENT, "scale must be finite, got ",
+          p->scale);
+  v.Check(std::isfinite(p->eps) && p->eps >= 0, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "eps must be finite and >= 0, got ", p->eps);
+  v.RowStride(p->source_row_stride, p->dim, "source_row_stride");
+  if (p->num_blocks > 0) v.NotNull(p->blocks, "blocks");
+  for (int64_t i = 0; v.ok() && i < p->num_blocks; ++i) {
+    v.NotNull(p->blocks[i], "blocks[" + std::to_string(i) + "]");
+  }
+  v.NotNull(p->proj_weight, "proj_weight");
+  v.Check(p->rms_cache == nullptr || p->rmsnorm, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "rms_cache must be NULL when rmsnorm is 0 (there is no rms to cache)");
+  if (!v.ok()) return;
+
+  const int64_t elem = ElementBytes(p->dtype), rows = p->num_tokens, dim = p->dim;
+  for (int64_t i = 0; i < p->num_blocks; ++i) {
+    v.AddRows(p->blocks[i], rows, p->source_row_stride, dim, elem,
+              "blocks[" + std::to_string(i) + "]", false);
+  }
+  v.AddRows(p->partial, rows, p->source_row_stride, dim, elem, "partial", false);
+  v.AddRows(p->proj_weight, 1, dim, dim, elem, "proj_weight", false);
+  v.AddRows(p->gamma, 1, dim, dim, elem, "gamma", false);
+}
+
+void AddCaches(Validator& v, const attnres_params* p, bool are_outputs) {
+  const int64_t L = NumSources(*p), acc = p->dtype == ATTNRES_DTYPE_FLOAT64 ? 8 : 4;
+  v.AddRows(p->rms_cache, p->num_tokens, L, L, acc, "rms_cache", are_outputs);
+  v.AddRows(p->alpha_cache, p->num_tokens, L, L, acc, "alpha_cache", are_outputs);
+}
+
+attnres_status ValidateForward(const attnres_params* p) {
+  Validator v("attnres_forward");
+  ValidateCommon(v, p);
+  if (v.ok()) {
+    v.NotNull(p->out, "out");
+    v.RowStride(p->out_row_stride, p->dim, "out_row_stride");
+    v.AddRows(p->out, p->num_tokens, p->out_row_stride, p->dim, ElementBytes(p->dtype), "out",
+              true);
+    AddCaches(v, p, /*are_outputs=*/true);
+    v.NoOverlap();
+  }
+  return v.Finish();
+}
+
+attnres_status ValidateBackward(const attnres_params* p) {
+  Validator v("attnres_backward");
+  ValidateCommon(v, p);
+  if (!v.ok()) return v.Finish();
+  const int64_t elem = ElementBytes(p->dtype), rows = p->num_tokens, dim = p->dim;
+  v.NotNull(p->grad_out, "grad_out");
+  v.RowStride(p->grad_out_row_stride, dim, "grad_out_row_stride");
+  v.Check(p->grad_gamma == nullptr || p->rmsnorm, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "grad_gamma must be NULL when rmsnorm is 0 (gamma is not used)");
+  bool any_source_grad = p->grad_partial != nullptr && p->partial != nullptr;
+  for (int64_t i = 0; p->grad_blocks != nullptr && i < p->num_blocks; ++i) {
+    any_source_grad |= p->grad_blocks[i] != nullptr;
+  }
+  v.Check(p->grad_partial == nullptr || p->partial != nullptr, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "grad_partial must be NULL when there is no partial block");
+  if (any_source_grad) v.RowStride(p->grad_source_row_stride, dim, "grad_source_row_stride");
+  v.AddRows(p->grad_out, rows, p->grad_out_row_stride, dim, elem, "grad_out", false);
+  AddCaches(v, p, /*are_outputs=*/false);
+  for (int64_t i = 0; p->grad_blocks != nullptr && i < p->num_blocks; ++i) {
+    v.AddRows(p->grad_blocks[i], rows, p->grad_source_row_stride, dim, elem,
+              "grad_blocks[" + std::to_string(i) + "]", true);
+  }
+  v.AddRows(p->grad_partial, rows, p->grad_source_row_stride, dim, elem, "grad_partial", true);
+  v.AddRows(p->grad_proj_weight, 1, dim, dim, elem, "grad_proj_weight", true);
+  v.AddRows(p->grad_gamma, 1, dim, dim, elem, "grad_gamma", true);
+  v.NoOverlap();
+  return v.Finish();
+}
+
+// Runs a backend, turning any escaped C++ exception into a status.
+template <typename Fn>
+attnres_status Guarded(const char* function, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const std::bad_alloc&) {
+    return Fail(ATTNRES_ERROR_OUT_OF_MEMORY, std::string(function) + ": out of memory");
+  } catch (const std::exception& e) {
+    return Fail(ATTNRES_ERROR_INTERNAL, std::string(function) + ": internal error: " + e.what());
+  }
+}
+
+}  // namespace
+
+attnres_status Fail(attnres_status status, const std::string& message) {
+  g_last_error = message;
+  return status;
+}
+
+#ifndef ATTNRES_WITH_CUDA
+bool CudaAvailable() { return false; }
+attnres_status CudaForward(const attnres_params&) {
+  return Fail(ATTNRES_ERROR_UNSUPPORTED_DEVICE, "attnres was built without CUDA");
+}
+attnres_status CudaBackward(const attnres_params&) {
+  return Fail(ATTNRES_ERROR_UNSUPPORTED_DEVICE, "attnres was built without CUDA");
+}
+#endif
+
+}  // namespace attnres
+
+extern "C" {
+
+const char* attnres_version(void) {
+#define ATTNRES_STR_(x) #x
+#define ATTNRES_STR(x) ATTNRES_STR_(x)
+  return ATTNRES_STR(ATTNRES_VERSION_MAJOR) "." ATTNRES_STR(ATTNRES_VERSION_MINOR) "." ATTNRES_STR(
+      ATTNRES_VERSION_PATCH);
+}
+
+const char* attnres_cpu_isa(void) { return attnres::CpuIsaName(); }
+
+attnres_status attnres_set_cpu_isa(const char* name) {
+  if (attnres::cpu::SetIsa(name)) return ATTNRES_OK;
+  return attnres::Fail(ATTNRES_ERROR_INVALID_ARGUMENT,
+                       std::string("attnres_set_cpu_isa: name must be a compiled-in variant (") +
+                           attnres::cpu::CompiledIsaNames() +
+                           ") that this CPU supports, got \"" + name + "\"");
+}
+
+void attnres_params_init(attnres_params* params) {
+  if (params == nullptr) return;
+  *params = attnres_params{};
+  params->abi_version = ATTNRES_ABI_VERSION;
+  params->dtype = ATTNRES_DTYPE_FLOAT32;
+  params->device = ATTNRES_DEVICE_CPU;
+  params->scale = 1.0;
+  params->eps = 1e-6;
+  params->rmsnorm = 1;
+}
+
+attnres_status attnres_forward(const attnres_params* params) {
+  if (attnres_status s = attnres::ValidateForward(params); s != ATTNRES_OK) return s;
+  return attnres::Guarded("attnres_forward", [&] {
+    return params->device == ATTNRES_DEVICE_CUDA ? attnres::CudaForward(*params)
+                                                 : attnres::CpuForward(*params);
+  });
+}
+
+attnres_status attnres_backward(const attnres_params* params) {
+  if (attnres_status s = attnres::ValidateBackward(params); s != ATTNRES_OK) return s;
+  return attnres::Guarded("attnres_backward", [&] {
+    return params->device == ATTNRES_DEVICE_CUDA ? attnres::CudaBackward(*params)
+                                                 : attnres::CpuBackward(*params);
+  });
+}
+
+const char* attnres_last_error(void) { return attnres::g_last_error.c_str(); }
+
+const char* attnres_status_string(attnres_status status) {
+  switch (status) {
+    case ATTNRES_OK: return "ok";
+    case ATTNRES_ERROR_NULL_POINTER: return "null pointer";
+    case ATTNRES_ERROR_INVALID_ARGUMENT: return "invalid argument";
+    case ATTNRES_ERROR_UNSUPPORTED_DTYPE: return "unsupported dtype";
+    case ATTNRES_ERROR_OVERLAP: return "overlapping buffers";
+    case ATTNRES_ERROR_OUT_OF_MEMORY: return "out of memory";
+    case ATTNRES_ERROR_UNSUPPORTED_DEVICE: return "unsupported device";
+    case ATTNRES_ERROR_DEVICE_FAILURE: return "device failure";
+    case ATTNRES_ERROR_INTERNAL: return "internal error";
+  }
+  return "unknown status";
+}
+
+void attnres_set_num_threads(int n) { attnres::cpu::SetNumThreads(n); }
+int attnres_get_num_threads(void) { return attnres::cpu::GetNumThreads(); }
+int attnres_cuda_available(void) { return attnres::CudaAvailable() ? 1 : 0; }
+
+}  // extern "C"

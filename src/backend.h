@@ -1,0 +1,42 @@
+// The internal boundary between the C ABI (src/abi.cc, which validates) and the
+// backends (src/cpu/, src/cuda/), which trust the params they are given.
+#ifndef ATTNRES_SRC_BACKEND_H_
+#define ATTNRES_SRC_BACKEND_H_
+
+#include <string>
+
+#include "attnres/attnres.h"
+
+namespace attnres {
+
+// Number of sources L = N + (partial != nullptr).
+inline int64_t NumSources(const attnres_params& p) {
+  return p.num_blocks + (p.partial != nullptr ? 1 : 0);
+}
+
+// Records the message returned by attnres_last_error() on this thread and
+// passes `status` through, so that backends can `return Fail(...)`.
+attnres_status Fail(attnres_status status, const std::string& message);
+
+// Backends. `p` has been validated: sizes positive, pointers non-null where
+// required, no output overlaps an input. num_tokens may be 0.
+attnres_status CpuForward(const attnres_params& p);
+attnres_status CpuBackward(const attnres_params& p);
+const char* CpuIsaName();
+
+namespace cpu {
+int GetNumThreads();
+void SetNumThreads(int n);  // n <= 0: the default
+bool SetIsa(const char* name);  // nullptr: the best for this CPU
+std::string CompiledIsaNames();
+}  // namespace cpu
+
+// Implemented in src/cuda/ when built with ATTNRES_CUDA; src/abi.cc reports
+// ATTNRES_ERROR_UNSUPPORTED_DEVICE otherwise.
+bool CudaAvailable();
+attnres_status CudaForward(const attnres_params& p);
+attnres_status CudaBackward(const attnres_params& p);
+
+}  // namespace attnres
+
+#endif  // ATTNRES_SRC_BACKEND_H_

@@ -1,0 +1,362 @@
+// CPU backend: picks the kernel variant for this CPU, splits tokens into tiles
+// and chunks over OpenMP threads, and reduces dw/dgamma deterministically.
+//
+// Determinism: the backward splits tokens into chunks whose size depends only on
+// the problem (dim and dtype), never on the thread count. Each chunk sums its
+// share of U = sum_{t,i} a_i v_i into its own row of a partials buffer, and the
+// rows are then added in chunk order. So dw = gamma * U and dgamma = w * U are
+// bitwise identical for any number of threads, with no atomics.
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "cpu/kernel_table.h"
+#include "cpu/scalar_types.h"
+
+namespace attnres {
+namespace cpu {
+namespace {
+
+// Scratch rows are padded to this many bytes so that every variant runs whole vectors.
+constexpr int64_t kMaxVectorBytes = 64;
+// Bytes of one source read in one run (one tile of rows): long runs keep the
+// hardware prefetchers streaming; short ones (a single row) halve bandwidth.
+constexpr int64_t kTileRunBytes = 48 * 1024;
+constexpr int64_t kMaxTileTokens = 64;
+// Tokens per backward chunk (one row of U partials each); a multiple of the tile.
+constexpr int64_t kChunkTokens = 256;
+
+bool CpuHas(const char* feature) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  if (std::strcmp(feature, "avx512") == 0) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }
+  if (std::strcmp(feature, "avx2") == 0) {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+  }
+#endif
+  return std::strcmp(feature, "baseline") == 0;
+}
+
+// Compiled-in variants, best first.
+std::vector<const KernelTable*> CompiledTables() {
+  std::vector<const KernelTable*> tables;
+  for (const KernelTable* t : {Avx512Kernels(), Avx2Kernels(), BaselineKernels()}) {
+    if (t != nullptr) tables.push_back(t);
+  }
+  return tables;
+}
+
+const KernelTable* FindTable(const char* name) {
+  for (const KernelTable* t : CompiledTables()) {
+    if (std::strcmp(t->name, name) == 0 && CpuHas(t->name)) return t;
+  }
+  return nullptr;
+}
+
+const KernelTable* BestTable() {
+  if (const char* forced = std::getenv("ATTNRES_CPU_ISA")) {
+    if (const KernelTable* t = FindTable(forced)) return t;
+  }
+  for (const KernelTable* t : CompiledTables()) {
+    if (CpuHas(t->name)) return t;
+  }
+  return BaselineKernels();
+}
+
+std::atomic<const KernelTable*> g_table{nullptr};
+std::atomic<int> g_num_threads{0};  // 0: the default below
+
+const KernelTable& Table() {
+  const KernelTable* t = g_table.load(std::memory_order_acquire);
+  if (t == nullptr) {
+    t = BestTable();
+    g_table.store(t, std::memory_order_release);
+  }
+  return *t;
+}
+
+int PositiveEnv(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr) return 0;
+  char* end = nullptr;
+  const long n = std::strtol(value, &end, 10);
+  return (end != value && *end == '\0' && n > 0 && n < 1 << 16) ? static_cast<int>(n) : 0;
+}
+
+int DefaultThreads() {
+  static const int n = [] {
+    if (int env = PositiveEnv("ATTNRES_NUM_THREADS")) return env;
+    if (int env = PositiveEnv("OMP_NUM_THREADS")) return env;
+    return std::max(1, omp_get_num_procs());
+  }();
+  return n;
+}
+
+int64_t ElementBytes(attnres_dtype dtype) {
+  switch (dtype) {
+    case ATTNRES_DTYPE_FLOAT64: return 8;
+    case ATTNRES_DTYPE_FLOAT32: return 4;
+    default: return 2;
+  }
+}
+
+// Accumulation type A: double for float64, float otherwise.
+int64_t AccBytes(attnres_dtype dtype) { return dtype == ATTNRES_DTYPE_FLOAT64 ? 8 : 4; }
+
+double LoadScalar(const void* base, int64_t index, attnres_dtype dtype) {
+  switch (dtype) {
+    case ATTNRES_DTYPE_FLOAT64: return static_cast<const double*>(base)[index];
+    case ATTNRES_DTYPE_FLOAT32: return static_cast<const float*>(base)[index];
+    case ATTNRES_DTYPE_BFLOAT16: return ToFloat(static_cast<const Bf16*>(base)[index]);
+    case ATTNRES_DTYPE_FLOAT16: return ToFloat(static_cast<const F16*>(base)[index]);
+  }
+  return 0;
+}
+
+void StoreScalar(void* base, int64_t index, attnres_dtype dtype, double value) {
+  switch (dtype) {
+    case ATTNRES_DTYPE_FLOAT64: static_cast<double*>(base)[index] = value; return;
+    case ATTNRES_DTYPE_FLOAT32: static_cast<float*>(base)[index] = float(value); return;
+    case ATTNRES_DTYPE_BFLOAT16:
+      static_cast<Bf16*>(base)[index] = ToBf16(float(value));
+      return;
+    case ATTNRES_DTYPE_FLOAT16: static_cast<F16*>(base)[index] = ToF16(float(value)); return;
+  }
+}
+
+// Reads the [dim] vector as A (float or double), as the kernels do.
+double AsAcc(double value, attnres_dtype dtype) {
+  return dtype == ATTNRES_DTYPE_FLOAT64 ? value : static_cast<double>(float(value));
+}
+
+struct AlignedFree {
+  void operator()(void* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<void, AlignedFree>;
+
+Buffer AllocateZeroed(int64_t bytes) {
+  const int64_t rounded = (std::max<int64_t>(bytes, 1) + kMaxVectorBytes - 1) /
+                          kMaxVectorBytes * kMaxVectorBytes;
+  void* p = std::aligned_alloc(kMaxVectorBytes, rounded);
+  if (p != nullptr) std::memset(p, 0, rounded);
+  return Buffer(p);
+}
+
+// Everything one call needs besides the kernels: sources, wg, scratch.
+class Call {
+ public:
+  explicit Call(const attnres_params& p) : p_(p) {}
+
+  attnres_status Prepare(bool backward) {
+    const attnres_dtype dtype = p_.dtype;
+    acc_bytes_ = AccBytes(dtype);
+    const int64_t lanes = kMaxVectorBytes / acc_bytes_;
+    info_.params = &p_;
+    info_.num_sources = NumSources(p_);
+    info_.padded_dim = (p_.dim + lanes - 1) / lanes * lanes;
+    info_.tile_tokens =
+        std::clamp<int64_t>(kTileRunBytes / (p_.dim * ElementBytes(dtype)), 1, kMaxTileTokens);
+    while (kChunkTokens % info_.tile_tokens != 0) --info_.tile_tokens;
+
+    sources_.assign(p_.blocks, p_.blocks + p_.num_blocks);
+    if (p_.partial != nullptr) sources_.push_back(p_.partial);
+    info_.sources = sources_.data();
+    if (backward) {
+      grad_sources_.assign(info_.num_sources, nullptr);
+      for (int64_t i = 0; i < p_.num_blocks && p_.grad_blocks != nullptr; ++i) {
+        grad_sources_[i] = p_.grad_blocks[i];
+      }
+      if (p_.partial != nullptr) grad_sources_[p_.num_blocks] = p_.grad_partial;
+      info_.grad_sources = grad_sources_.data();
+      info_.want_weight_grads = p_.grad_proj_weight != nullptr || p_.grad_gamma != nullptr;
+    }
+
+    wg_ = AllocateZeroed(info_.padded_dim * acc_bytes_);
+    if (wg_ == nullptr) return OutOfMemory("w * gamma", info_.padded_dim * acc_bytes_);
+    for (int64_t d = 0; d < p_.dim; ++d) {
+      double value = AsAcc(LoadScalar(p_.proj_weight, d, dtype), dtype);
+      if (p_.rmsnorm && p_.gamma != nullptr) {
+        value = value * AsAcc(LoadScalar(p_.gamma, d, dtype), dtype);
+      }
+      StoreAcc(wg_.get(), d, value);
+    }
+    info_.wg = wg_.get();
+    return ATTNRES_OK;
+  }
+
+  // Scratch for `threads` threads plus, for the backward, `chunks` rows of U.
+  attnres_status AllocateScratch(int threads, int64_t chunks) {
+    const int64_t tile = info_.tile_tokens, L = info_.num_sources;
+    acc_elems_ = tile * info_.padded_dim;
+    stats_elems_ = 4 * tile * L + 2 * tile;
+    per_thread_ = acc_elems_ + (stats_elems_ + 15) / 16 * 16;
+    const int64_t bytes = (threads * per_thread_ + chunks * info_.padded_dim) * acc_bytes_;
+    scratch_ = AllocateZeroed(bytes);
+    if (scratch_ == nullptr) return OutOfMemory("scratch", bytes);
+    return ATTNRES_OK;
+  }
+
+  Scratch ThreadScratch(int thread) const {
+    char* base = static_cast<char*>(scratch_.get()) + thread * per_thread_ * acc_bytes_;
+    return Scratch{base, base + acc_elems_ * acc_bytes_, nullptr};
+  }
+
+  void* ChunkU(int threads, int64_t chunk) const {
+    return static_cast<char*>(scratch_.get()) +
+           (threads * per_thread_ + chunk * info_.padded_dim) * acc_bytes_;
+  }
+
+  double ChunkUValue(int threads, int64_t chunk, int64_t d) const {
+    const void* u = ChunkU(threads, chunk);
+    return acc_bytes_ == 8 ? static_cast<const double*>(u)[d]
+                           : static_cast<const float*>(u)[d];
+  }
+
+  const CallInfo& info() const { return info_; }
+
+ private:
+  void StoreAcc(void* base, int64_t d, double value) const {
+    if (acc_bytes_ == 8) {
+      static_cast<double*>(base)[d] = value;
+    } else {
+      static_cast<float*>(base)[d] = static_cast<float>(value);
+    }
+  }
+
+  static attnres_status OutOfMemory(const char* what, int64_t bytes) {
+    return Fail(ATTNRES_ERROR_OUT_OF_MEMORY,
+                std::string("could not allocate ") + std::to_string(bytes) + " bytes for " + what);
+  }
+
+  const attnres_params& p_;
+  CallInfo info_{};
+  std::vector<const void*> sources_;
+  std::vector<void*> grad_sources_;
+  int64_t acc_bytes_ = 4;
+  int64_t acc_elems_ = 0, stats_elems_ = 0, per_thread_ = 0;
+  Buffer wg_, scratch_;
+};
+
+int ThreadsFor(int64_t work_items) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(GetNumThreads(), work_items)));
+}
+
+}  // namespace
+
+int GetNumThreads() {
+  const int n = g_num_threads.load(std::memory_order_relaxed);
+  return n > 0 ? n : DefaultThreads();
+}
+
+void SetNumThreads(int n) { g_num_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }
+
+const char* IsaName() { return Table().name; }
+
+bool SetIsa(const char* name) {
+  if (name == nullptr) {
+    g_table.store(BestTable(), std::memory_order_release);
+    return true;
+  }
+  const KernelTable* t = FindTable(name);
+  if (t == nullptr) return false;
+  g_table.store(t, std::memory_order_release);
+  return true;
+}
+
+std::string CompiledIsaNames() {
+  std::string names;
+  for (const KernelTable* t : CompiledTables()) names += (names.empty() ? "" : ", ") + std::string(t->name);
+  return names;
+}
+
+}  // namespace cpu
+
+attnres_status CpuForward(const attnres_params& p) {
+  if (p.num_tokens == 0) return ATTNRES_OK;
+  cpu::Call call(p);
+  if (attnres_status s = call.Prepare(/*backward=*/false); s != ATTNRES_OK) return s;
+  const int64_t tile = call.info().tile_tokens;
+  const int64_t num_tiles = (p.num_tokens + tile - 1) / tile;
+  const int threads = cpu::ThreadsFor(num_tiles);
+  if (attnres_status s = call.AllocateScratch(threads, 0); s != ATTNRES_OK) return s;
+  const cpu::TileFn forward = cpu::Table().forward[p.dtype];
+
+#pragma omp parallel num_threads(threads)
+  {
+    const cpu::Scratch scratch = call.ThreadScratch(omp_get_thread_num());
+#pragma omp for schedule(static)
+    for (int64_t tile_index = 0; tile_index < num_tiles; ++tile_index) {
+      const int64_t begin = tile_index * tile;
+      forward(call.info(), scratch, begin, std::min(begin + tile, p.num_tokens));
+    }
+  }
+  return ATTNRES_OK;
+}
+
+attnres_status CpuBackward(const attnres_params& p) {
+  cpu::Call call(p);
+  if (attnres_status s = call.Prepare(/*backward=*/true); s != ATTNRES_OK) return s;
+  const int64_t tile = call.info().tile_tokens;
+  const int64_t num_chunks = (p.num_tokens + cpu::kChunkTokens - 1) / cpu::kChunkTokens;
+  const int threads = cpu::ThreadsFor(num_chunks);
+  const bool weight_grads = call.info().want_weight_grads;
+  const int64_t u_rows = weight_grads ? num_chunks : 0;
+  if (attnres_status s = call.AllocateScratch(threads, u_rows); s != ATTNRES_OK) return s;
+  const cpu::TileFn backward = cpu::Table().backward[p.dtype];
+
+#pragma omp parallel num_threads(threads)
+  {
+    cpu::Scratch scratch = call.ThreadScratch(omp_get_thread_num());
+#pragma omp for schedule(static)
+    for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
+      scratch.u = weight_grads ? call.ChunkU(threads, chunk) : nullptr;
+      const int64_t chunk_end = std::min((chunk + 1) * cpu::kChunkTokens, p.num_tokens);
+      for (int64_t begin = chunk * cpu::kChunkTokens; begin < chunk_end; begin += tile) {
+        backward(call.info(), scratch, begin, std::min(begin + tile, chunk_end));
+      }
+    }
+  }
+
+  if (weight_grads) {
+    // U summed over chunks in chunk order; dw = gamma * U, dgamma = w * U.
+    const bool has_gamma = p.rmsnorm && p.gamma != nullptr;
+#pragma omp parallel for num_threads(cpu::ThreadsFor(p.dim / 256 + 1)) schedule(static)
+    for (int64_t d = 0; d < p.dim; ++d) {
+      double u = 0;
+      if (p.dtype == ATTNRES_DTYPE_FLOAT64) {
+        for (int64_t c = 0; c < num_chunks; ++c) u += call.ChunkUValue(threads, c, d);
+      } else {
+        float u32 = 0;  // float accumulation, as everywhere else for these dtypes
+        for (int64_t c = 0; c < num_chunks; ++c) u32 += float(call.ChunkUValue(threads, c, d));
+        u = u32;
+      }
+      if (p.grad_proj_weight != nullptr) {
+        const double gamma = has_gamma ? cpu::LoadScalar(p.gamma, d, p.dtype) : 1.0;
+        cpu::StoreScalar(p.grad_proj_weight, d, p.dtype, cpu::AsAcc(gamma * u, p.dtype));
+      }
+      if (p.grad_gamma != nullptr) {
+        const double w = cpu::LoadScalar(p.proj_weight, d, p.dtype);
+        cpu::StoreScalar(p.grad_gamma, d, p.dtype, cpu::AsAcc(w * u, p.dtype));
+      }
+    }
+  }
+  return ATTNRES_OK;
+}
+
+const char* CpuIsaName() { return cpu::IsaName(); }
+
+}  // namespace attnres

@@ -1,0 +1,58 @@
+// The contract between the CPU dispatcher (backend.cc, compiled for the baseline
+// ISA) and the kernel variants (kernels.cc, compiled once per ISA).
+//
+// Only plain structs and declarations live here: a function defined in a header
+// shared by translation units built with different -march flags could be merged
+// by the linker into the baseline path and run AVX-512 code on a CPU without it.
+#ifndef ATTNRES_SRC_CPU_KERNEL_TABLE_H_
+#define ATTNRES_SRC_CPU_KERNEL_TABLE_H_
+
+#include <cstdint>
+
+#include "attnres/attnres.h"
+
+namespace attnres::cpu {
+
+// Per-call constants, prepared once by the dispatcher. "A" below is the
+// accumulation type: float, or double for float64 inputs. Vectors of length
+// padded_dim are zero beyond dim so that kernels can run whole SIMD vectors.
+struct CallInfo {
+  const attnres_params* params;
+  int64_t num_sources;         // L
+  int64_t padded_dim;          // dim rounded up to the widest vector
+  int64_t tile_tokens;         // tokens per tile: every source is read in runs of this many rows
+  const void* const* sources;  // [L] blocks then partial
+  void* const* grad_sources;   // [L] (backward; entries may be null)
+  const void* wg;              // A[padded_dim]: w * gamma (w when rmsnorm is off)
+  bool want_weight_grads;      // backward accumulates U = sum a_i * v_i
+};
+
+// Scratch of one thread, in units of A; the dispatcher sizes it with
+// ScratchElements() (backend.cc) and aligns it to 64 bytes.
+struct Scratch {
+  void* acc;    // [tile, padded_dim]: forward output accumulator / backward grad_out in A
+  void* stats;  // [4, tile, L]: logits z, rms r, alpha, dot(g, v)
+  void* u;      // [padded_dim] (backward): this chunk's share of U, or null
+};
+
+// Tokens [begin, end) of one call, end - begin <= chunk size. Forward writes out
+// and the requested caches; backward writes the requested source gradients and
+// adds this range's U to scratch.u (which the caller zeroed).
+using TileFn = void (*)(const CallInfo& info, const Scratch& scratch, int64_t begin,
+                        int64_t end);
+
+struct KernelTable {
+  const char* name;
+  int vector_bytes;
+  TileFn forward[4];   // indexed by attnres_dtype
+  TileFn backward[4];
+};
+
+// One per compiled variant; null when the variant is not compiled in.
+const KernelTable* BaselineKernels();
+const KernelTable* Avx2Kernels();
+const KernelTable* Avx512Kernels();
+
+}  // namespace attnres::cpu
+
+#endif  // ATTNRES_SRC_CPU_KERNEL_TABLE_H_

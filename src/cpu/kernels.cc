@@ -1,0 +1,408 @@
+// Block AttnRes CPU kernels: forward and backward of one tile of tokens.
+//
+// This file is compiled once per ISA (CMakeLists.txt: ATTNRES_ISA = baseline, avx2,
+// avx512, each with its -march flags) and backend.cc picks one table at run time.
+// The SIMD code uses the compiler's generic vector extensions, so each variant is
+// the same source with the vector width of its ISA. Everything is in an unnamed
+// namespace: no inline function of one variant may be merged into another.
+//
+// Per token, with L sources v_i of D elements and wg = w * gamma:
+//   forward  - one pass over the sources: each row is read once from memory for
+//              sum(v^2) and dot(wg, v) (two reductions), then again from L1 to fold
+//              it into the output with an online softmax (acc = acc * c + p * v).
+//   backward - pass 1 reads every source once for sum(v^2), dot(wg, v), dot(g, v);
+//              the softmax backward is then a few scalars per source; pass 2 rereads
+//              the tile's sources (from cache) and writes dv_i = alpha_i g + a_i wg +
+//              b_i v_i, adding a_i v_i to this chunk's U (dw = gamma U, dgamma = w U).
+// Sources are read per tile: all of the tile's rows of source 0, then of source 1,
+// ..., so memory sees long runs of each source instead of L interleaved 1-row runs.
+#include <cstdint>
+#include <cstring>
+
+#include "cpu/kernel_table.h"
+#include "cpu/scalar_types.h"
+
+#ifndef ATTNRES_ISA
+#error "kernels.cc is compiled with -DATTNRES_ISA=<baseline|avx2|avx512>"
+#endif
+
+namespace attnres::cpu {
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kVectorBytes = 64;
+#elif defined(__AVX__)
+constexpr int kVectorBytes = 32;
+#else
+constexpr int kVectorBytes = 16;
+#endif
+
+typedef float VecF __attribute__((vector_size(kVectorBytes)));
+typedef double VecD __attribute__((vector_size(kVectorBytes)));
+typedef uint32_t VecU32 __attribute__((vector_size(kVectorBytes)));
+typedef uint16_t VecU16 __attribute__((vector_size(kVectorBytes / 2)));
+typedef _Float16 VecH __attribute__((vector_size(kVectorBytes / 2)));
+
+// Math through builtins, not <cmath>'s inline std:: overloads, which the linker
+// could share between variants.
+inline float Exp(float x) { return __builtin_expf(x); }
+inline double Exp(double x) { return __builtin_exp(x); }
+inline float Sqrt(float x) { return __builtin_sqrtf(x); }
+inline double Sqrt(double x) { return __builtin_sqrt(x); }
+
+
+// Elem<T>: how a storage type is loaded into, and stored from, vectors and
+// scalars of its accumulation type A.
+template <typename T> struct Elem;
+
+template <> struct Elem<float> {
+  using A = float;
+  using V = VecF;
+  static V Load(const float* p) { V v; std::memcpy(&v, p, sizeof(v)); return v; }
+  static void Store(float* p, V v) { std::memcpy(p, &v, sizeof(v)); }
+};
+
+template <> struct Elem<double> {
+  using A = double;
+  using V = VecD;
+  static V Load(const double* p) { V v; std::memcpy(&v, p, sizeof(v)); return v; }
+  static void Store(double* p, V v) { std::memcpy(p, &v, sizeof(v)); }
+};
+
+// bfloat16 is the top half of a float: widening is a shift; narrowing rounds to
+// nearest even and keeps NaN a (quiet) NaN, as ToBf16 does.
+template <> struct Elem<Bf16> {
+  using A = float;
+  using V = VecF;
+  static V Load(const Bf16* p) {
+    VecU16 h;
+    std::memcpy(&h, p, sizeof(h));
+    return reinterpret_cast<V>(__builtin_convertvector(h, VecU32) << 16);
+  }
+  static void Store(Bf16* p, V v) {
+    const VecU32 u = reinterpret_cast<VecU32>(v);
+    const VecU32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const VecU32 is_nan = reinterpret_cast<VecU32>((u & 0x7FFFFFFFu) > 0x7F800000u);
+    const VecU32 bits = (rounded & ~is_nan) | (((u >> 16) | 0x40u) & is_nan);
+    const VecU16 h = __builtin_convertvector(bits, VecU16);
+    std::memcpy(p, &h, sizeof(h));
+  }
+};
+
+// float16 goes through the compiler's _Float16 (F16C vcvtph2ps/vcvtps2ph on avx2
+// and avx512, libgcc's conversions on the baseline).
+template <> struct Elem<F16> {
+  using A = float;
+  using V = VecF;
+  static V Load(const F16* p) {
+    VecH h;
+    std::memcpy(&h, p, sizeof(h));
+    return __builtin_convertvector(h, V);
+  }
+  static void Store(F16* p, V v) {
+    const VecH h = __builtin_convertvector(v, VecH);
+    std::memcpy(p, &h, sizeof(h));
+  }
+};
+
+// Row helpers. Rows of T have exactly D elements: the last vector of a row is
+// staged through a small zero-padded buffer (no scalar tail loop). Rows of A in
+// scratch are padded to a whole number of vectors with zeros, so they are always
+// read and written as full vectors.
+template <typename T>
+struct Row {
+  using E = Elem<T>;
+  using A = typename E::A;
+  using V = typename E::V;
+  static constexpr int64_t kLanes = kVectorBytes / sizeof(A);
+
+  static V Load(const T* p, int64_t n) {
+    if (n >= kLanes) return E::Load(p);
+    T buf[kLanes] = {};
+    std::memcpy(buf, p, n * sizeof(T));
+    return E::Load(buf);
+  }
+  static void Store(T* p, V v, int64_t n) {
+    if (n >= kLanes) return E::Store(p, v);
+    T buf[kLanes];
+    E::Store(buf, v);
+    std::memcpy(p, buf, n * sizeof(T));
+  }
+  static V LoadA(const A* p) { V v; std::memcpy(&v, p, sizeof(v)); return v; }
+  static void StoreA(A* p, V v) { std::memcpy(p, &v, sizeof(v)); }
+
+  // Lanes summed in a fixed order: results do not depend on anything but the ISA.
+  static A Sum(V v) {
+    A s = 0;
+    for (int64_t k = 0; k < kLanes; ++k) s += v[k];
+    return s;
+  }
+
+  // One read of x: sum(x^2) (if kSumSq), dot(wg, x), and dot(g, x) (if kDotG).
+  // Two accumulators per quantity keep the FMA latency off the critical path.
+  template <bool kSumSq, bool kDotG>
+  static void Dots(const T* x, const A* wg, const A* g, int64_t dim, A* sum_sq,
+                   A* dot_wg, A* dot_g) {
+    V sq0 = {}, sq1 = {}, w0 = {}, w1 = {}, g0 = {}, g1 = {};
+    int64_t d = 0;
+    for (; d + 2 * kLanes <= dim; d += 2 * kLanes) {
+      const V x0 = E::Load(x + d), x1 = E::Load(x + d + kLanes);
+      w0 += x0 * LoadA(wg + d);
+      w1 += x1 * LoadA(wg + d + kLanes);
+      if (kSumSq) { sq0 += x0 * x0; sq1 += x1 * x1; }
+      if (kDotG) { g0 += x0 * LoadA(g + d); g1 += x1 * LoadA(g + d + kLanes); }
+    }
+    for (; d < dim; d += kLanes) {
+      const V x0 = Load(x + d, dim - d);
+      w0 += x0 * LoadA(wg + d);
+      if (kSumSq) sq0 += x0 * x0;
+      if (kDotG) g0 += x0 * LoadA(g + d);
+    }
+    *dot_wg = Sum(w0 + w1);
+    if (kSumSq) *sum_sq = Sum(sq0 + sq1);
+    if (kDotG) *dot_g = Sum(g0 + g1);
+  }
+
+  // acc = x (kInit), acc = acc * c + p * x otherwise: one online-softmax step.
+  template <bool kInit, bool kRescale>
+  static void Accumulate(A* acc, const T* x, A c, A p, int64_t dim) {
+    const V vc = V{} + c, vp = V{} + p;
+    for (int64_t d = 0; d < dim; d += kLanes) {
+      const V xv = Load(x + d, dim - d);
+      if (kInit) {
+        StoreA(acc + d, xv);
+      } else if (kRescale) {
+        StoreA(acc + d, LoadA(acc + d) * vc + vp * xv);
+      } else {
+        StoreA(acc + d, LoadA(acc + d) + vp * xv);
+      }
+    }
+  }
+
+  static void StoreScaled(T* out, const A* acc, A factor, int64_t dim) {
+    const V vf = V{} + factor;
+    for (int64_t d = 0; d < dim; d += kLanes) Store(out + d, LoadA(acc + d) * vf, dim - d);
+  }
+
+  static void Widen(A* dst, const T* src, int64_t dim) {
+    for (int64_t d = 0; d < dim; d += kLanes) StoreA(dst + d, Load(src + d, dim - d));
+  }
+
+  // dv = alpha g + a wg + b x (if kWrite), u += a x (if kAccumulateU).
+  template <bool kWrite, bool kAccumulateU>
+  static void SourceGrad(T* dv, const T* x, const A* g, const A* wg, A alpha, A a, A b,
+                         A* u, int64_t dim) {
+    const V valpha = V{} + alpha, va = V{} + a, vb = V{} + b;
+    for (int64_t d = 0; d < dim; d += kLanes) {
+      const V xv = Load(x + d, dim - d);
+      if (kWrite) Store(dv + d, valpha * LoadA(g + d) + va * LoadA(wg + d) + vb * xv, dim - d);
+      if (kAccumulateU) StoreA(u + d, LoadA(u + d) + va * xv);
+    }
+  }
+};
+
+template <typename A>
+struct Stats {
+  A* z;      // [tile, L] logits; in backward pass 2, b_i
+  A* r;      // [tile, L] rms (1 without rmsnorm); in backward pass 2, a_i
+  A* alpha;  // [tile, L]
+  A* ga;     // [tile, L] dot(g, v_i)
+  A* max_z;  // [tile] running max of z (forward)
+  A* denom;  // [tile] running softmax denominator (forward)
+  Stats(void* base, int64_t tile, int64_t num_sources) {
+    A* p = static_cast<A*>(base);
+    const int64_t n = tile * num_sources;
+    z = p; r = p + n; alpha = p + 2 * n; ga = p + 3 * n; max_z = p + 4 * n;
+    denom = max_z + tile;
+  }
+};
+
+template <typename T, bool kRmsNorm>
+void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin,
+                     int64_t end) {
+  using R = Row<T>;
+  using A = typename R::A;
+  const attnres_params& p = *info.params;
+  const int64_t dim = p.dim, L = info.num_sources, padded = info.padded_dim;
+  const int64_t n = end - begin;
+  const A scale = static_cast<A>(p.scale), eps = static_cast<A>(p.eps);
+  const A* wg = static_cast<const A*>(info.wg);
+  A* acc = static_cast<A*>(scratch.acc);
+  Stats<A> st(scratch.stats, info.tile_tokens, L);
+
+  for (int64_t i = 0; i < L; ++i) {
+    const T* src = static_cast<const T*>(info.sources[i]) + begin * p.source_row_stride;
+    for (int64_t j = 0; j < n; ++j) {
+      const T* x = src + j * p.source_row_stride;
+      A* acc_j = acc + j * padded;
+      A sum_sq = 0, dot = 0;
+      R::template Dots<kRmsNorm, false>(x, wg, nullptr, dim, &sum_sq, &dot, nullptr);
+      const A rms = kRmsNorm ? Sqrt(sum_sq / static_cast<A>(dim) + eps) : A(1);
+      const A z = scale * (dot / rms);
+      st.z[j * L + i] = z;
+      st.r[j * L + i] = rms;
+      if (i == 0) {
+        st.max_z[j] = z;
+        st.denom[j] = 1;
+        R::template Accumulate<true, false>(acc_j, x, 0, 1, dim);
+      } else if (z > st.max_z[j]) {  // new max: rescale what is summed so far
+        const A c = Exp(st.max_z[j] - z);
+        st.max_z[j] = z;
+        st.denom[j] = st.denom[j] * c + 1;
+        R::template Accumulate<false, true>(acc_j, x, c, 1, dim);
+      } else {  // also the NaN path: exp(NaN) poisons this token only
+        const A e = Exp(z - st.max_z[j]);
+        st.denom[j] += e;
+        R::template Accumulate<false, false>(acc_j, x, 1, e, dim);
+      }
+    }
+  }
+
+  T* out = static_cast<T*>(p.out);
+  A* rms_cache = static_cast<A*>(p.rms_cache);
+  A* alpha_cache = static_cast<A*>(p.alpha_cache);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t t = begin + j;
+    const A inv_denom = A(1) / st.denom[j];
+    R::StoreScaled(out + t * p.out_row_stride, acc + j * padded, inv_denom, dim);
+    for (int64_t i = 0; i < L; ++i) {
+      if (rms_cache != nullptr) rms_cache[t * L + i] = st.r[j * L + i];
+      if (alpha_cache != nullptr) {
+        alpha_cache[t * L + i] = Exp(st.z[j * L + i] - st.max_z[j]) * inv_denom;
+      }
+    }
+  }
+}
+
+template <typename T, bool kRmsNorm>
+void BackwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin,
+                      int64_t end) {
+  using R = Row<T>;
+  using A = typename R::A;
+  const attnres_params& p = *info.params;
+  const int64_t dim = p.dim, L = info.num_sources, padded = info.padded_dim;
+  const int64_t n = end - begin;
+  const A scale = static_cast<A>(p.scale), eps = static_cast<A>(p.eps);
+  const A* wg = static_cast<const A*>(info.wg);
+  A* g = static_cast<A*>(scratch.acc);  // the tile's grad_out rows, widened once
+  A* u = static_cast<A*>(scratch.u);
+  Stats<A> st(scratch.stats, info.tile_tokens, L);
+  const A* rms_cache = static_cast<const A*>(p.rms_cache);
+  const A* alpha_cache = static_cast<const A*>(p.alpha_cache);
+
+  const T* grad_out = static_cast<const T*>(p.grad_out);
+  for (int64_t j = 0; j < n; ++j) {
+    R::Widen(g + j * padded, grad_out + (begin + j) * p.grad_out_row_stride, dim);
+  }
+
+  // Pass 1: the three dot products of every source row.
+  const bool need_sum_sq = kRmsNorm && rms_cache == nullptr;
+  for (int64_t i = 0; i < L; ++i) {
+    const T* src = static_cast<const T*>(info.sources[i]) + begin * p.source_row_stride;
+    for (int64_t j = 0; j < n; ++j) {
+      const T* x = src + j * p.source_row_stride;
+      A sum_sq = 0, dot_wg = 0, dot_g = 0;
+      if (need_sum_sq) {
+        R::template Dots<true, true>(x, wg, g + j * padded, dim, &sum_sq, &dot_wg, &dot_g);
+      } else {
+        R::template Dots<false, true>(x, wg, g + j * padded, dim, nullptr, &dot_wg, &dot_g);
+      }
+      A rms = 1;
+      if (kRmsNorm) {
+        rms = need_sum_sq ? Sqrt(sum_sq / static_cast<A>(dim) + eps)
+                          : rms_cache[(begin + j) * L + i];
+      }
+      st.z[j * L + i] = scale * (dot_wg / rms);
+      st.r[j * L + i] = rms;
+      st.ga[j * L + i] = dot_g;
+    }
+  }
+
+  // Softmax backward per token; turn (z, r) into the pass-2 coefficients (b, a).
+  for (int64_t j = 0; j < n; ++j) {
+    A* z = st.z + j * L;
+    A* r = st.r + j * L;
+    A* alpha = st.alpha + j * L;
+    const A* ga = st.ga + j * L;
+    if (alpha_cache != nullptr) {
+      for (int64_t i = 0; i < L; ++i) alpha[i] = alpha_cache[(begin + j) * L + i];
+    } else {
+      A max_z = z[0];
+      for (int64_t i = 1; i < L; ++i) max_z = z[i] > max_z ? z[i] : max_z;
+      A denom = 0;
+      for (int64_t i = 0; i < L; ++i) denom += alpha[i] = Exp(z[i] - max_z);
+      const A inv_denom = A(1) / denom;
+      for (int64_t i = 0; i < L; ++i) alpha[i] *= inv_denom;
+    }
+    // gz_i = alpha_i (ga_i - sum_k alpha_k ga_k), computed relative to the source
+    // with the largest alpha: when the softmax is peaked, ga_i - mean is a small
+    // difference of two large numbers, while the ga_k - ga_pivot are exact inputs.
+    int64_t pivot = 0;
+    for (int64_t i = 1; i < L; ++i) pivot = alpha[i] > alpha[pivot] ? i : pivot;
+    const A ga_pivot = ga[pivot];
+    A mean_delta = 0;
+    for (int64_t i = 0; i < L; ++i) mean_delta += alpha[i] * (ga[i] - ga_pivot);
+    for (int64_t i = 0; i < L; ++i) {
+      const A gz = alpha[i] * ((ga[i] - ga_pivot) - mean_delta);
+      const A b = kRmsNorm ? -gz * z[i] / (static_cast<A>(dim) * r[i] * r[i]) : A(0);
+      r[i] = scale * gz / r[i];  // a_i
+      z[i] = b;
+    }
+  }
+
+  // Pass 2: each source gradient row written once; U gathered on the way.
+  for (int64_t i = 0; i < L; ++i) {
+    const T* src = static_cast<const T*>(info.sources[i]) + begin * p.source_row_stride;
+    T* dst = static_cast<T*>(info.grad_sources[i]);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* x = src + j * p.source_row_stride;
+      T* dv = dst != nullptr ? dst + (begin + j) * p.grad_source_row_stride : nullptr;
+      const A alpha = st.alpha[j * L + i], a = st.r[j * L + i], b = st.z[j * L + i];
+      const A* g_j = g + j * padded;
+      if (dv != nullptr && u != nullptr) {
+        R::template SourceGrad<true, true>(dv, x, g_j, wg, alpha, a, b, u, dim);
+      } else if (dv != nullptr) {
+        R::template SourceGrad<true, false>(dv, x, g_j, wg, alpha, a, b, u, dim);
+      } else if (u != nullptr) {
+        R::template SourceGrad<false, true>(dv, x, g_j, wg, alpha, a, b, u, dim);
+      }
+    }
+  }
+}
+
+template <typename T>
+void ForwardTile(const CallInfo& info, const Scratch& s, int64_t begin, int64_t end) {
+  if (info.params->rmsnorm) {
+    ForwardTileImpl<T, true>(info, s, begin, end);
+  } else {
+    ForwardTileImpl<T, false>(info, s, begin, end);
+  }
+}
+
+template <typename T>
+void BackwardTile(const CallInfo& info, const Scratch& s, int64_t begin, int64_t end) {
+  if (info.params->rmsnorm) {
+    BackwardTileImpl<T, true>(info, s, begin, end);
+  } else {
+    BackwardTileImpl<T, false>(info, s, begin, end);
+  }
+}
+
+#define ATTNRES_STRINGIFY_(x) #x
+#define ATTNRES_STRINGIFY(x) ATTNRES_STRINGIFY_(x)
+
+// Indexed by attnres_dtype: FLOAT32, FLOAT64, BFLOAT16, FLOAT16.
+const KernelTable kTable = {
+    ATTNRES_STRINGIFY(ATTNRES_ISA),
+    kVectorBytes,
+    {ForwardTile<float>, ForwardTile<double>, ForwardTile<Bf16>, ForwardTile<F16>},
+    {BackwardTile<float>, BackwardTile<double>, BackwardTile<Bf16>, BackwardTile<F16>},
+};
+
+}  // namespace
+
+#define ATTNRES_TABLE_GETTER_(isa) isa##Kernels
+#define ATTNRES_TABLE_GETTER(isa) ATTNRES_TABLE_GETTER_(isa)
+const KernelTable* ATTNRES_TABLE_GETTER(ATTNRES_ISA_GETTER)() { return &kTable; }
+
+}  // namespace attnres::cpu

@@ -1,0 +1,261 @@
+#include "ref/harness.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <sstream>
+
+namespace attnres::harness {
+namespace {
+
+// dtype <-> double for the test side (independent of the kernels' conversions).
+double ReadElement(const char* p, attnres_dtype dtype) {
+  switch (dtype) {
+    case ATTNRES_DTYPE_FLOAT64: { double v; std::memcpy(&v, p, 8); return v; }
+    case ATTNRES_DTYPE_FLOAT32: { float v; std::memcpy(&v, p, 4); return v; }
+    case ATTNRES_DTYPE_BFLOAT16: {
+      uint16_t h; std::memcpy(&h, p, 2);
+      const uint32_t u = uint32_t{h} << 16;
+      float v; std::memcpy(&v, &u, 4);
+      return v;
+    }
+    case ATTNRES_DTYPE_FLOAT16: { _Float16 v; std::memcpy(&v, p, 2); return double(v); }
+  }
+  return 0;
+}
+
+void WriteElement(char* p, attnres_dtype dtype, double value) {
+  switch (dtype) {
+    case ATTNRES_DTYPE_FLOAT64: std::memcpy(p, &value, 8); return;
+    case ATTNRES_DTYPE_FLOAT32: { const float v = float(value); std::memcpy(p, &v, 4); return; }
+    case ATTNRES_DTYPE_BFLOAT16: {
+      const float f = float(value);
+      uint32_t u; std::memcpy(&u, &f, 4);
+      const uint16_t h = std::isnan(f) ? uint16_t((u >> 16) | 0x40)
+                                       : uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+      std::memcpy(p, &h, 2);
+      return;
+    }
+    case ATTNRES_DTYPE_FLOAT16: { const _Float16 v = _Float16(value); std::memcpy(p, &v, 2); return; }
+  }
+}
+
+double RoundTo(double value, attnres_dtype dtype) {
+  char buf[8];
+  WriteElement(buf, dtype, value);
+  return ReadElement(buf, dtype);
+}
+
+double RelativeError(const std::vector<double>& got, const std::vector<double>& want) {
+  double max_ref = 0, max_err = 0;
+  for (size_t k = 0; k < want.size(); ++k) {
+    max_ref = std::max(max_ref, std::fabs(want[k]));
+    const double err = std::fabs(got[k] - want[k]);
+    max_err = std::max(max_err, std::isnan(err) ? INFINITY : err);
+  }
+  return max_ref > 0 ? max_err / max_ref : max_err;
+}
+
+}  // namespace
+
+std::string CaseSpec::Describe() const {
+  std::ostringstream os;
+  os << DtypeName(dtype) << " tokens=" << tokens << " dim=" << dim << " blocks=" << num_blocks
+     << (partial ? "+partial" : "") << (rmsnorm ? " rmsnorm" : " no-rmsnorm") << " scale=" << scale
+     << " eps=" << eps << " pad=" << row_padding << (backward_caches ? " caches" : " no-caches")
+     << " logits~" << logit_magnitude << " seed=" << seed;
+  return os.str();
+}
+
+double Errors::WorstForward() const { return std::max({out, rms, alpha}); }
+double Errors::WorstBackward() const { return std::max({grad_sources, grad_w, grad_gamma}); }
+
+double ForwardTolerance(attnres_dtype dtype) {
+  switch (dtype) {
+    case ATTNRES_DTYPE_FLOAT64: return 1e-10;
+    case ATTNRES_DTYPE_FLOAT32: return 1e-5;
+    case ATTNRES_DTYPE_BFLOAT16: return 8e-3;
+    case ATTNRES_DTYPE_FLOAT16: return 1e-3;
+  }
+  return 0;
+}
+
+double BackwardTolerance(attnres_dtype dtype) {
+  switch (dtype) {
+    case ATTNRES_DTYPE_FLOAT64: return 1e-10;
+    case ATTNRES_DTYPE_FLOAT32: return 1e-4;
+    default: return 1e-2;
+  }
+}
+
+const char* DtypeName(attnres_dtype dtype) {
+  switch (dtype) {
+    case ATTNRES_DTYPE_FLOAT32: return "f32";
+    case ATTNRES_DTYPE_FLOAT64: return "f64";
+    case ATTNRES_DTYPE_BFLOAT16: return "bf16";
+    case ATTNRES_DTYPE_FLOAT16: return "f16";
+  }
+  return "?";
+}
+
+bool ParseDtype(const std::string& name, attnres_dtype* dtype) {
+  for (attnres_dtype d : {ATTNRES_DTYPE_FLOAT32, ATTNRES_DTYPE_FLOAT64, ATTNRES_DTYPE_BFLOAT16,
+                          ATTNRES_DTYPE_FLOAT16}) {
+    if (name == DtypeName(d)) { *dtype = d; return true; }
+  }
+  return false;
+}
+
+int64_t ElementBytes(attnres_dtype dtype) {
+  return dtype == ATTNRES_DTYPE_FLOAT64 ? 8 : dtype == ATTNRES_DTYPE_FLOAT32 ? 4 : 2;
+}
+
+Case::Case(const CaseSpec& spec) : spec_(spec), stride_(spec.dim + spec.row_padding) {
+  std::mt19937_64 rng(spec.seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  const int64_t T = spec.tokens, D = spec.dim, L = spec.num_sources();
+  auto random_vector = [&](int64_t n, double mean, double sd) {
+    std::vector<double> v(n);
+    for (double& x : v) x = RoundTo(mean + sd * normal(rng), spec.dtype);
+    return v;
+  };
+  problem_.tokens = T;
+  problem_.dim = D;
+  problem_.num_blocks = spec.num_blocks;
+  problem_.has_partial = spec.partial;
+  problem_.rmsnorm = spec.rmsnorm;
+  problem_.scale = spec.scale;
+  problem_.eps = spec.eps;
+  for (int64_t i = 0; i < L; ++i) problem_.sources.push_back(random_vector(T * D, 0.0, 1.0));
+  // |z| ~ logit_magnitude: dot(w, k) with k ~ unit-rms has sd sqrt(D) * sd(w).
+  problem_.w = random_vector(D, 0.0, spec.logit_magnitude / std::sqrt(double(D)));
+  problem_.gamma = random_vector(D, 1.0, 0.2);
+  grad_out_values_ = random_vector(T * D, 0.0, 1.0);
+
+  for (const auto& s : problem_.sources) sources_.push_back(Pack(s, T, D, stride_));
+  w_ = Pack(problem_.w, 1, D, D);
+  gamma_ = Pack(problem_.gamma, 1, D, D);
+  grad_out_ = Pack(grad_out_values_, T, D, stride_);
+  const int64_t elem = ElementBytes(spec.dtype);
+  const int64_t acc = spec.dtype == ATTNRES_DTYPE_FLOAT64 ? 8 : 4;
+  const int64_t row_bytes = std::max<int64_t>(1, T * stride_ * elem);
+  out_.assign(row_bytes, 0);
+  for (int64_t i = 0; i < L; ++i) grad_sources_.emplace_back(row_bytes, 0);
+  grad_w_.assign(D * elem, 0);
+  grad_gamma_.assign(D * elem, 0);
+  rms_.assign(std::max<int64_t>(1, T * L * acc), 0);
+  alpha_.assign(std::max<int64_t>(1, T * L * acc), 0);
+  for (int64_t i = 0; i < spec.num_blocks; ++i) {
+    block_ptrs_.push_back(sources_[i].data());
+    grad_block_ptrs_.push_back(grad_sources_[i].data());
+  }
+}
+
+std::vector<char> Case::Pack(const std::vector<double>& values, int64_t rows, int64_t cols,
+                             int64_t stride) const {
+  const int64_t elem = ElementBytes(spec_.dtype);
+  std::vector<char> bytes(std::max<int64_t>(1, rows * stride * elem), 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      WriteElement(bytes.data() + (r * stride + c) * elem, spec_.dtype, values[r * cols + c]);
+    }
+  }
+  return bytes;
+}
+
+std::vector<double> Case::Unpack(const std::vector<char>& bytes, int64_t rows, int64_t cols,
+                                 int64_t stride) const {
+  const int64_t elem = ElementBytes(spec_.dtype);
+  std::vector<double> values(rows * cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      values[r * cols + c] = ReadElement(bytes.data() + (r * stride + c) * elem, spec_.dtype);
+    }
+  }
+  return values;
+}
+
+attnres_params Case::ForwardParams() {
+  attnres_params p;
+  attnres_params_init(&p);
+  p.num_tokens = spec_.tokens;
+  p.dim = spec_.dim;
+  p.num_blocks = spec_.num_blocks;
+  p.dtype = spec_.dtype;
+  p.blocks = block_ptrs_.data();
+  p.partial = spec_.partial ? sources_.back().data() : nullptr;
+  p.source_row_stride = stride_;
+  p.proj_weight = w_.data();
+  p.gamma = gamma_.data();
+  p.scale = spec_.scale;
+  p.eps = spec_.eps;
+  p.rmsnorm = spec_.rmsnorm ? 1 : 0;
+  p.out = out_.data();
+  p.out_row_stride = stride_;
+  p.rms_cache = spec_.rmsnorm ? rms_.data() : nullptr;
+  p.alpha_cache = alpha_.data();
+  return p;
+}
+
+attnres_params Case::BackwardParams() {
+  attnres_params p = ForwardParams();
+  p.out = nullptr;
+  if (!spec_.backward_caches) p.rms_cache = p.alpha_cache = nullptr;
+  p.grad_out = grad_out_.data();
+  p.grad_out_row_stride = stride_;
+  p.grad_blocks = grad_block_ptrs_.data();
+  p.grad_partial = spec_.partial ? grad_sources_.back().data() : nullptr;
+  p.grad_source_row_stride = stride_;
+  p.grad_proj_weight = grad_w_.data();
+  p.grad_gamma = spec_.rmsnorm ? grad_gamma_.data() : nullptr;
+  return p;
+}
+
+attnres_status Case::Forward() {
+  const attnres_params p = ForwardParams();
+  return attnres_forward(&p);
+}
+
+attnres_status Case::Backward() {
+  const attnres_params p = BackwardParams();
+  return attnres_backward(&p);
+}
+
+Errors Case::Compare() const {
+  const int64_t T = spec_.tokens, D = spec_.dim, L = spec_.num_sources();
+  const ref::ForwardResult fwd = ref::Forward(problem_);
+  const ref::BackwardResult bwd = ref::Backward(problem_, grad_out_values_);
+  auto unpack_acc = [&](const std::vector<char>& bytes) {
+    std::vector<double> v(T * L);
+    for (int64_t k = 0; k < T * L; ++k) {
+      if (spec_.dtype == ATTNRES_DTYPE_FLOAT64) {
+        std::memcpy(&v[k], bytes.data() + 8 * k, 8);
+      } else {
+        float f;
+        std::memcpy(&f, bytes.data() + 4 * k, 4);
+        v[k] = f;
+      }
+    }
+    return v;
+  };
+  Errors e;
+  e.out = RelativeError(Unpack(out_, T, D, stride_), fwd.out);
+  if (spec_.rmsnorm) e.rms = RelativeError(unpack_acc(rms_), fwd.rms);
+  e.alpha = RelativeError(unpack_acc(alpha_), fwd.alpha);
+  // The source gradients are measured as one [L, tokens, dim] tensor, as the
+  // seed's stacked grad_v is: a source with tiny alpha has a tiny gradient that a
+  // 16-bit format cannot resolve on its own scale.
+  std::vector<double> got_sources, want_sources;
+  for (int64_t i = 0; i < L; ++i) {
+    const std::vector<double> got = Unpack(grad_sources_[i], T, D, stride_);
+    got_sources.insert(got_sources.end(), got.begin(), got.end());
+    want_sources.insert(want_sources.end(), bwd.grad_sources[i].begin(), bwd.grad_sources[i].end());
+  }
+  e.grad_sources = RelativeError(got_sources, want_sources);
+  e.grad_w = RelativeError(Unpack(grad_w_, 1, D, D), bwd.grad_w);
+  if (spec_.rmsnorm) e.grad_gamma = RelativeError(Unpack(grad_gamma_, 1, D, D), bwd.grad_gamma);
+  return e;
+}
+
+}  // namespace attnres::harness

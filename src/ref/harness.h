@@ -1,0 +1,84 @@
+// A case runner shared by the command-line tool and the benchmarks: builds a
+// random problem in a given dtype (one allocation per block, optional padded
+// rows), runs it through the C ABI, and measures the error against the float64
+// reference.
+#ifndef ATTNRES_SRC_REF_HARNESS_H_
+#define ATTNRES_SRC_REF_HARNESS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "attnres/attnres.h"
+#include "ref/reference.h"
+
+namespace attnres::harness {
+
+struct CaseSpec {
+  int64_t tokens = 16;
+  int64_t dim = 64;
+  int64_t num_blocks = 4;
+  bool partial = true;
+  bool rmsnorm = true;
+  double scale = 1.0;
+  double eps = 1e-6;
+  attnres_dtype dtype = ATTNRES_DTYPE_FLOAT32;
+  int64_t row_padding = 0;     // extra elements per row: row stride = dim + padding
+  bool backward_caches = true; // pass the forward's caches to the backward
+  double logit_magnitude = 1;  // scales w: large values test the softmax's range
+  uint64_t seed = 1;
+
+  int64_t num_sources() const { return num_blocks + (partial ? 1 : 0); }
+  std::string Describe() const;
+};
+
+// Max error relative to the max-abs of the reference tensor, per output.
+struct Errors {
+  double out = 0, rms = 0, alpha = 0, grad_sources = 0, grad_w = 0, grad_gamma = 0;
+  double WorstForward() const;
+  double WorstBackward() const;
+};
+
+// SPEC §3 tolerances for a dtype.
+double ForwardTolerance(attnres_dtype dtype);
+double BackwardTolerance(attnres_dtype dtype);
+const char* DtypeName(attnres_dtype dtype);
+bool ParseDtype(const std::string& name, attnres_dtype* dtype);
+int64_t ElementBytes(attnres_dtype dtype);
+
+// Buffers of one case and the params that point into them.
+class Case {
+ public:
+  explicit Case(const CaseSpec& spec);
+
+  // The problem as the reference sees it: the dtype-rounded inputs in float64.
+  const ref::Problem& problem() const { return problem_; }
+  const CaseSpec& spec() const { return spec_; }
+
+  attnres_status Forward();   // writes out + both caches
+  attnres_status Backward();  // writes every gradient
+  attnres_params ForwardParams();
+  attnres_params BackwardParams();
+
+  Errors Compare() const;  // runs the reference; call after Forward() and Backward()
+
+ private:
+  std::vector<char> Pack(const std::vector<double>& values, int64_t rows, int64_t cols,
+                         int64_t stride) const;
+  std::vector<double> Unpack(const std::vector<char>& bytes, int64_t rows, int64_t cols,
+                             int64_t stride) const;
+
+  CaseSpec spec_;
+  ref::Problem problem_;
+  std::vector<double> grad_out_values_;
+  int64_t stride_;
+  std::vector<std::vector<char>> sources_, grad_sources_;
+  std::vector<char> w_, gamma_, out_, grad_out_, grad_w_, grad_gamma_;
+  std::vector<char> rms_, alpha_;  // accumulation type
+  std::vector<const void*> block_ptrs_;
+  std::vector<void*> grad_block_ptrs_;
+};
+
+}  // namespace attnres::harness
+
+#endif  // ATTNRES_SRC_REF_HARNESS_H_
