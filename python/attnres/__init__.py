@@ -1,0 +1,26 @@
+"""attnres: fused Block Attention Residuals (Kimi team, arXiv:2603.15031).
+
+Seed-compatible functions (drop-in for the original PyPTO/Ascend operator):
+    block_attn_res, block_attn_res_backward
+    ai_infra_block_attn_res, ai_infra_block_attn_res_backward (the same functions)
+Runtime controls: set_num_threads, get_num_threads, cpu_isa, set_cpu_isa,
+cuda_available.
+"""
+
+from ._native import (__version__, cpu_isa, cuda_available, get_num_threads, set_cpu_isa,
+                      set_num_threads)
+from .functional import (ai_infra_block_attn_res, ai_infra_block_attn_res_backward,
+                         block_attn_res, block_attn_res_backward)
+
+__all__ = [
+    "__version__",
+    "ai_infra_block_attn_res",
+    "ai_infra_block_attn_res_backward",
+    "block_attn_res",
+    "block_attn_res_backward",
+    "cpu_isa",
+    "cuda_available",
+    "get_num_threads",
+    "set_cpu_isa",
+    "set_num_threads",
+]

@@ -1,0 +1,312 @@
+"""ctypes binding of libattnres: the one place where Python meets the C ABI.
+
+Tensors are passed by pointer. A tensor is read in place when its rows of D
+elements are contiguous and its leading dimensions collapse to one row stride
+(e.g. contiguous, or a slice ``x[..., :D]`` of a wider tensor); otherwise it is
+copied once with ``.contiguous()``. Nothing is stacked. The library itself does
+not link against libtorch, so one build serves every torch version.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+_DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+_DEVICE_CPU, _DEVICE_CUDA = 0, 1
+_ABI_VERSION = 1
+
+# attnres_status values (include/attnres/attnres.h) and the Python error for each.
+_ERRORS = {1: ValueError, 2: ValueError, 3: ValueError, 4: ValueError, 5: MemoryError,
+           6: RuntimeError, 7: RuntimeError, 8: RuntimeError}
+
+
+class _Params(ctypes.Structure):
+    """Mirror of attnres_params; field order and types must match the header."""
+
+    _fields_ = [
+        ("abi_version", ctypes.c_int32),
+        ("num_tokens", ctypes.c_int64),
+        ("dim", ctypes.c_int64),
+        ("num_blocks", ctypes.c_int64),
+        ("dtype", ctypes.c_int32),
+        ("device", ctypes.c_int32),
+        ("stream", ctypes.c_void_p),
+        ("blocks", ctypes.POINTER(ctypes.c_void_p)),
+        ("partial", ctypes.c_void_p),
+        ("source_row_stride", ctypes.c_int64),
+        ("proj_weight", ctypes.c_void_p),
+        ("gamma", ctypes.c_void_p),
+        ("scale", ctypes.c_double),
+        ("eps", ctypes.c_double),
+        ("rmsnorm", ctypes.c_int32),
+        ("out", ctypes.c_void_p),
+        ("out_row_stride", ctypes.c_int64),
+        ("rms_cache", ctypes.c_void_p),
+        ("alpha_cache", ctypes.c_void_p),
+        ("grad_out", ctypes.c_void_p),
+        ("grad_out_row_stride", ctypes.c_int64),
+        ("grad_blocks", ctypes.POINTER(ctypes.c_void_p)),
+        ("grad_partial", ctypes.c_void_p),
+        ("grad_source_row_stride", ctypes.c_int64),
+        ("grad_proj_weight", ctypes.c_void_p),
+        ("grad_gamma", ctypes.c_void_p),
+    ]
+
+
+def _find_library() -> Path:
+    override = os.environ.get("ATTNRES_LIBRARY")
+    if override:
+        return Path(override)
+    here = Path(__file__).resolve().parent / "lib"
+    for name in ("libattnres.so", "libattnres.dylib", "attnres.dll"):
+        if (here / name).exists():
+            return here / name
+    raise ImportError(
+        f"libattnres not found in {here}; install the package with `pip install .` "
+        "or point ATTNRES_LIBRARY at a built libattnres.so")
+
+
+_lib = ctypes.CDLL(str(_find_library()))
+for _name in ("attnres_forward", "attnres_backward"):
+    getattr(_lib, _name).argtypes = [ctypes.POINTER(_Params)]
+    getattr(_lib, _name).restype = ctypes.c_int
+for _name in ("attnres_version", "attnres_last_error", "attnres_cpu_isa"):
+    getattr(_lib, _name).restype = ctypes.c_char_p
+_lib.attnres_set_num_threads.argtypes = [ctypes.c_int]
+_lib.attnres_get_num_threads.restype = ctypes.c_int
+_lib.attnres_set_cpu_isa.argtypes = [ctypes.c_char_p]
+_lib.attnres_cuda_available.restype = ctypes.c_int
+
+__version__ = _lib.attnres_version().decode()
+
+
+def set_num_threads(n: int) -> None:
+    """Threads of the CPU kernels; n <= 0 restores the default (the cores, or
+    ATTNRES_NUM_THREADS / OMP_NUM_THREADS when set)."""
+    _lib.attnres_set_num_threads(int(n))
+
+
+def get_num_threads() -> int:
+    return int(_lib.attnres_get_num_threads())
+
+
+def cpu_isa() -> str:
+    """The CPU kernel variant in use: "avx512", "avx2" or "baseline"."""
+    return _lib.attnres_cpu_isa().decode()
+
+
+def set_cpu_isa(name: Optional[str]) -> None:
+    """Force a CPU kernel variant (None: the best this CPU runs)."""
+    _check(_lib.attnres_set_cpu_isa(None if name is None else name.encode()))
+
+
+def cuda_available() -> bool:
+    return bool(_lib.attnres_cuda_available())
+
+
+def _check(status: int) -> None:
+    if status != 0:
+        message = _lib.attnres_last_error().decode()
+        raise _ERRORS.get(status, RuntimeError)(message)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the caches: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _row_stride(x: torch.Tensor, dim: int) -> Optional[int]:
+    """The single stride between consecutive rows of x viewed as [tokens, dim], or
+    None when the leading dimensions do not collapse to one (or rows overlap)."""
+    if x.dim() == 0 or (x.shape[-1] > 1 and x.stride(-1) != 1):
+        return None
+    stride = None
+    expected = None
+    for size, step in zip(reversed(x.shape[:-1]), reversed(x.stride()[:-1])):
+        if size == 1:
+            continue
+        if stride is None:
+            stride, expected = step, step * size
+        elif step != expected:
+            return None
+        else:
+            expected = step * size
+    if stride is None:  # zero or one row
+        return dim
+    return stride if stride >= dim else None
+
+
+def _rows(tensors: Sequence[torch.Tensor], dim: int) -> Tuple[List[torch.Tensor], int]:
+    """The tensors with one shared row stride, copying only those that need it."""
+    strides = [_row_stride(t, dim) for t in tensors]
+    if strides and all(s == strides[0] for s in strides) and strides[0] is not None:
+        return list(tensors), strides[0]
+    return [t if s == dim else t.contiguous() for t, s in zip(tensors, strides)], dim
+
+
+def _stream_and_device(x: torch.Tensor) -> Tuple[int, Optional[int]]:
+    if x.device.type == "cpu":
+        return _DEVICE_CPU, None
+    if x.device.type == "cuda":
+        return _DEVICE_CUDA, torch.cuda.current_stream(x.device).cuda_stream
+    raise ValueError(f"tensors must be on the CPU or a CUDA device, got {x.device}")
+
+
+def _check_inputs(blocks, partial, proj_weight, gamma) -> Tuple[int, torch.dtype]:
+    """Shapes, dtypes and devices shared by forward and backward; returns D and dtype."""
+    if len(blocks) == 0 and partial is None:
+        raise ValueError("at least one source is needed: blocks is empty and partial is None")
+    first = blocks[0] if len(blocks) else partial
+    if first.dim() == 0:
+        raise ValueError("blocks must have a last dimension D, got a 0-d tensor")
+    if first.dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of bfloat16, float16, float32, float64, got {first.dtype}")
+    dim = first.shape[-1]
+    named = [(f"blocks[{i}]", b) for i, b in enumerate(blocks)]
+    if partial is not None:
+        named.append(("partial", partial))
+    for name, t in named:
+        if t.shape != first.shape:
+            raise ValueError(f"{name} shape must be {tuple(first.shape)}, got {tuple(t.shape)}")
+    for name, t in named + [("proj_weight", proj_weight)] + ([("gamma", gamma)] if gamma is not None else []):
+        if t.dtype != first.dtype:
+            raise ValueError(f"{name} dtype must be {first.dtype} (all inputs share one dtype), "
+                             f"got {t.dtype}")
+        if t.device != first.device:
+            raise ValueError(f"{name} device must be {first.device}, got {t.device}")
+    for name, t in (("proj_weight", proj_weight), ("gamma", gamma)):
+        if t is not None and tuple(t.shape) != (dim,):
+            raise ValueError(f"{name} shape must be ({dim},), got {tuple(t.shape)}")
+    return dim, first.dtype
+
+
+def _check_scalars(scale: float, eps: float) -> None:
+    # Checked here too because an empty batch returns before reaching the C ABI.
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+
+
+def _vector(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if x is None else x.contiguous()
+
+
+def forward(blocks: Sequence[torch.Tensor], partial: Optional[torch.Tensor],
+            proj_weight: torch.Tensor, gamma: Optional[torch.Tensor], *, scale: float,
+            eps: float, rmsnorm: bool, want_rms: bool = False, want_alpha: bool = False):
+    """h = sum_i softmax_i(z) v_i over the sources [*blocks, partial].
+
+    Returns (h, rms, alpha): h has the shape and dtype of the sources; rms and
+    alpha are [..., L] of the accumulation dtype, or None when not requested.
+    """
+    dim, dtype = _check_inputs(blocks, partial, proj_weight, gamma)
+    _check_scalars(scale, eps)
+    if want_rms and not rmsnorm:
+        raise ValueError("want_rms=True needs rmsnorm=True (there is no rms to cache)")
+    sources, stride = _rows(list(blocks) + ([partial] if partial is not None else []), dim)
+    first = sources[0]
+    lead = tuple(first.shape[:-1])
+    num_sources = len(sources)
+    tokens = first.numel() // dim if dim else 0
+    device, stream = _stream_and_device(first)
+    proj_weight, gamma = _vector(proj_weight), _vector(gamma if rmsnorm else None)
+
+    out = torch.empty(lead + (dim,), dtype=dtype, device=first.device)
+    acc = accumulation_dtype(dtype)
+    rms = torch.empty(lead + (num_sources,), dtype=acc, device=first.device) if want_rms else None
+    alpha = torch.empty(lead + (num_sources,), dtype=acc, device=first.device) if want_alpha else None
+    if tokens == 0:  # empty tensors may have null data pointers, which the ABI refuses
+        return out, rms, alpha
+
+    num_blocks = len(blocks)
+    block_ptrs = (ctypes.c_void_p * max(1, num_blocks))(*[s.data_ptr() for s in sources[:num_blocks]])
+    p = _Params(
+        abi_version=_ABI_VERSION, num_tokens=tokens, dim=dim, num_blocks=num_blocks,
+        dtype=_DTYPES[dtype], device=device, stream=stream, blocks=block_ptrs,
+        partial=sources[-1].data_ptr() if partial is not None else None,
+        source_row_stride=stride, proj_weight=proj_weight.data_ptr(),
+        gamma=gamma.data_ptr() if gamma is not None else None, scale=float(scale),
+        eps=float(eps), rmsnorm=int(bool(rmsnorm)), out=out.data_ptr(), out_row_stride=dim,
+        rms_cache=rms.data_ptr() if rms is not None else None,
+        alpha_cache=alpha.data_ptr() if alpha is not None else None)
+    _check(_lib.attnres_forward(ctypes.byref(p)))
+    return out, rms, alpha
+
+
+def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
+             partial: Optional[torch.Tensor], proj_weight: torch.Tensor,
+             gamma: Optional[torch.Tensor], *, scale: float, eps: float, rmsnorm: bool,
+             rms_cache: Optional[torch.Tensor] = None, alpha_cache: Optional[torch.Tensor] = None,
+             need_block_grads: Optional[Sequence[bool]] = None, need_partial_grad: bool = True,
+             need_proj_weight_grad: bool = True, need_gamma_grad: bool = True):
+    """Gradients of h = forward(...) given grad_out = dLoss/dh.
+
+    The caches are optional: without them the softmax is recomputed in the same
+    pass that reads the sources anyway, so no extra memory traffic. Returns
+    (grad_blocks: list of N (tensor or None), grad_partial, grad_proj_weight,
+    grad_gamma); grad_gamma is None when rmsnorm is off.
+    """
+    dim, dtype = _check_inputs(blocks, partial, proj_weight, gamma)
+    _check_scalars(scale, eps)
+    num_blocks = len(blocks)
+    sources, stride = _rows(list(blocks) + ([partial] if partial is not None else []), dim)
+    first = sources[0]
+    lead = tuple(first.shape[:-1])
+    num_sources = len(sources)
+    tokens = first.numel() // dim if dim else 0
+    device, stream = _stream_and_device(first)
+    if grad_out.shape != first.shape or grad_out.dtype != dtype or grad_out.device != first.device:
+        raise ValueError(f"grad_out must be {tuple(first.shape)} {dtype} on {first.device}, got "
+                         f"{tuple(grad_out.shape)} {grad_out.dtype} on {grad_out.device}")
+    (grad_out,), grad_stride = _rows([grad_out], dim)
+    acc = accumulation_dtype(dtype)
+    caches = []
+    for name, cache in (("rms_cache", rms_cache if rmsnorm else None), ("alpha_cache", alpha_cache)):
+        if cache is not None:
+            if cache.numel() != tokens * num_sources:
+                raise ValueError(f"{name} must hold {lead + (num_sources,)} values, got shape "
+                                 f"{tuple(cache.shape)}")
+            cache = cache.to(device=first.device, dtype=acc).contiguous()
+        caches.append(cache)
+    rms_cache, alpha_cache = caches
+    proj_weight, gamma = _vector(proj_weight), _vector(gamma if rmsnorm else None)
+
+    if need_block_grads is None:
+        need_block_grads = [True] * num_blocks
+    grad_blocks = [torch.empty_like(first, memory_format=torch.contiguous_format) if need else None
+                   for need in need_block_grads]
+    grad_partial = (torch.empty_like(first, memory_format=torch.contiguous_format)
+                    if partial is not None and need_partial_grad else None)
+    grad_w = torch.empty(dim, dtype=dtype, device=first.device) if need_proj_weight_grad else None
+    grad_gamma = (torch.empty(dim, dtype=dtype, device=first.device)
+                  if rmsnorm and need_gamma_grad else None)
+
+    if tokens == 0:  # the sums over no tokens are zero
+        for g in (grad_w, grad_gamma):
+            if g is not None:
+                g.zero_()
+        return grad_blocks, grad_partial, grad_w, grad_gamma
+
+    def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+        return t.data_ptr() if t is not None else None
+
+    block_ptrs = (ctypes.c_void_p * max(1, num_blocks))(*[s.data_ptr() for s in sources[:num_blocks]])
+    grad_ptrs = (ctypes.c_void_p * max(1, num_blocks))(*[ptr(g) for g in grad_blocks])
+    p = _Params(
+        abi_version=_ABI_VERSION, num_tokens=tokens, dim=dim, num_blocks=num_blocks,
+        dtype=_DTYPES[dtype], device=device, stream=stream, blocks=block_ptrs,
+        partial=sources[-1].data_ptr() if partial is not None else None,
+        source_row_stride=stride, proj_weight=proj_weight.data_ptr(), gamma=ptr(gamma),
+        scale=float(scale), eps=float(eps), rmsnorm=int(bool(rmsnorm)),
+        rms_cache=ptr(rms_cache), alpha_cache=ptr(alpha_cache), grad_out=grad_out.data_ptr(),
+        grad_out_row_stride=grad_stride, grad_blocks=grad_ptrs, grad_partial=ptr(grad_partial),
+        grad_source_row_stride=dim, grad_proj_weight=ptr(grad_w), grad_gamma=ptr(grad_gamma))
+    _check(_lib.attnres_backward(ctypes.byref(p)))
+    return grad_blocks, grad_partial, grad_w, grad_gamma
