@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The main job: set up, build, check every option against the float64 reference,
+# then run the headline shape (65536 tokens, D=1536, 16 blocks + partial, bf16).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+bash scripts/build.sh
+./build/attnres check
+./build/attnres run --tokens 65536 --dim 1536 --blocks 16 --partial --dtype bf16

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs what the build and the tests need on a fresh Debian machine with
+# Python 3.11 and pip (idempotent: quick when everything is there).
+set -euo pipefail
+
+need_apt=()
+for pkg in g++ cmake ninja-build libgtest-dev nlohmann-json3-dev; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
+if ((${#need_apt[@]})); then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+# torch 2.13.0 is the CPU build on this machine's disk; any other version downloads GBs.
+python3 -c "import torch" 2>/dev/null || python3 -m pip install -q torch==2.13.0
+python3 -m pip install -q "pytest>=7" "scikit-build-core>=0.8" "cmake>=3.20" ninja
