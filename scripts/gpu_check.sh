@@ -2,7 +2,7 @@
 # One-shot check of the CUDA backend on a GPU machine (H200 class, CUDA toolkit,
 # no network): Release build with CUDA, the GPU GoogleTests, then the benchmark
 # against PyTorch eager / torch.compile / Liger (bench/bench_cuda.py).
-# Prints one JSON document and writes it to ${OUT:-.}/gpu_check.json.
+# Prints one JSON document and writes it to ${OUT:-$BUILD_DIR}/gpu_check.json.
 # Designed to finish in under 8 minutes; every stage is time-boxed.
 #
 # Environment knobs:
@@ -15,7 +15,7 @@ set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD_DIR="${BUILD_DIR:-$ROOT/build-gpu-check}"
-OUT_DIR="${OUT:-$ROOT}"
+OUT_DIR="${OUT:-$BUILD_DIR}"
 CUDA_ARCHS="${CUDA_ARCHS:-90}"
 BENCH_BUDGET_S="${BENCH_BUDGET_S:-240}"
 LOG_DIR="$OUT_DIR/gpu_check_logs"

@@ -16,7 +16,7 @@ namespace {
 
 thread_local std::string g_last_error;
 
-int64_t ElementBytes(attnres_dtype dtype) {
+int64_t ElementBytes(int32_t dtype) {
   switch (dtype) {
     case ATTNRES_DTYPE_FLOAT64: return 8;
     case ATTNRES_DTYPE_FLOAT32: return 4;
@@ -126,10 +126,10 @@ void ValidateCommon(Validator& v, const attnres_params* p) {
   v.Check(p->dtype >= ATTNRES_DTYPE_FLOAT32 && p->dtype <= ATTNRES_DTYPE_FLOAT16,
           ATTNRES_ERROR_UNSUPPORTED_DTYPE,
           "dtype must be one of float32 (0), float64 (1), bfloat16 (2), float16 (3), got ",
-          static_cast<int>(p->dtype));
+          p->dtype);
   v.Check(p->device == ATTNRES_DEVICE_CPU || p->device == ATTNRES_DEVICE_CUDA,
           ATTNRES_ERROR_UNSUPPORTED_DEVICE, "device must be CPU (0) or CUDA (1), got ",
-          static_cast<int>(p->device));
+          p->device);
   v.Check(p->device != ATTNRES_DEVICE_CUDA || CudaAvailable(), ATTNRES_ERROR_UNSUPPORTED_DEVICE,
           "device is CUDA, but this build of attnres has no CUDA backend or no CUDA device is "
           "present");

@@ -87,8 +87,10 @@ typedef struct attnres_params {
   int64_t num_tokens; /* B*T, >= 0 (0 is a valid no-op) */
   int64_t dim;        /* D, >= 1 */
   int64_t num_blocks; /* N, >= 0; L = N + (partial != NULL) must be >= 1 */
-  attnres_dtype dtype;   /* of every source, w, gamma, out, grad_out and gradient */
-  attnres_device device; /* where every pointer lives */
+  /* int32_t rather than the enum types: a fixed size across compilers, and any
+   * value a caller stores is well defined (and rejected if unknown). */
+  int32_t dtype;         /* attnres_dtype of every source, w, gamma, out, grads */
+  int32_t device;        /* attnres_device: where every pointer lives */
   void* stream;          /* cudaStream_t for ATTNRES_DEVICE_CUDA; ignored on the CPU */
 
   /* Inputs. */

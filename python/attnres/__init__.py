@@ -3,6 +3,8 @@
 Seed-compatible functions (drop-in for the original PyPTO/Ascend operator):
     block_attn_res, block_attn_res_backward
     ai_infra_block_attn_res, ai_infra_block_attn_res_backward (the same functions)
+Training: block_attn_res_fn (autograd; the torch.library op attnres::block_attn_res,
+torch.compile-ready) and the module attnres.nn.BlockAttnRes.
 Runtime controls: set_num_threads, get_num_threads, cpu_isa, set_cpu_isa,
 cuda_available.
 """
@@ -11,6 +13,8 @@ from ._native import (__version__, cpu_isa, cuda_available, get_num_threads, set
                       set_num_threads)
 from .functional import (ai_infra_block_attn_res, ai_infra_block_attn_res_backward,
                          block_attn_res, block_attn_res_backward)
+from .ops import block_attn_res_fn
+from . import nn
 
 __all__ = [
     "__version__",
@@ -18,9 +22,11 @@ __all__ = [
     "ai_infra_block_attn_res_backward",
     "block_attn_res",
     "block_attn_res_backward",
+    "block_attn_res_fn",
     "cpu_isa",
     "cuda_available",
     "get_num_threads",
+    "nn",
     "set_cpu_isa",
     "set_num_threads",
 ]

@@ -21,6 +21,13 @@ _SEED_MAX_BLOCKS = 127
 _SEED_MAX_SOURCES = 128
 
 
+def _too_many_sources(n: int, has_partial: bool) -> str:
+    num_sources = n + (1 if has_partial else 0)
+    return (f"blocks + partial_block: L = {num_sources} sources (N = {n} blocks"
+            f"{' + partial_block' if has_partial else ''}), expected L <= {_SEED_MAX_SOURCES} "
+            "(the seed's limit; attnres.block_attn_res_fn has none)")
+
+
 def _check_block_list(blocks, who: str):
     if not isinstance(blocks, (list, tuple)):
         raise ValueError(f"blocks must be a list of tensors, got {type(blocks).__name__}")
@@ -94,7 +101,7 @@ def block_attn_res(
                          "(no RMSNorm output to cache)")
     num_sources = n + (partial_block is not None)
     if num_sources > _SEED_MAX_SOURCES:
-        raise ValueError(f"Unsupported l={num_sources}, expected l <= {_SEED_MAX_SOURCES}")
+        raise ValueError(_too_many_sources(n, partial_block is not None))
 
     out, rms, alpha = _native.forward(
         blocks, partial_block, proj_weight, rmsnorm_gamma, scale=scale, eps=rmsnorm_eps,
@@ -157,7 +164,7 @@ def block_attn_res_backward(
             raise ValueError("when enable_rmsnorm is True, rms_cache must be provided")
         _check_tensor(rms_cache, "rms_cache", (b, t, num_sources, 1), None, device)
     if num_sources > _SEED_MAX_SOURCES:
-        raise ValueError(f"Unsupported l={num_sources}, expected l <= {_SEED_MAX_SOURCES}")
+        raise ValueError(_too_many_sources(n, partial_block is not None))
 
     grad_blocks, grad_partial, grad_w, grad_gamma = _native.backward(
         grad_h, blocks, partial_block, proj_weight, rmsnorm_gamma if enable_rmsnorm else None,

@@ -106,7 +106,7 @@ int DefaultThreads() {
   return n;
 }
 
-int64_t ElementBytes(attnres_dtype dtype) {
+int64_t ElementBytes(int32_t dtype) {
   switch (dtype) {
     case ATTNRES_DTYPE_FLOAT64: return 8;
     case ATTNRES_DTYPE_FLOAT32: return 4;
@@ -115,9 +115,9 @@ int64_t ElementBytes(attnres_dtype dtype) {
 }
 
 // Accumulation type A: double for float64, float otherwise.
-int64_t AccBytes(attnres_dtype dtype) { return dtype == ATTNRES_DTYPE_FLOAT64 ? 8 : 4; }
+int64_t AccBytes(int32_t dtype) { return dtype == ATTNRES_DTYPE_FLOAT64 ? 8 : 4; }
 
-double LoadScalar(const void* base, int64_t index, attnres_dtype dtype) {
+double LoadScalar(const void* base, int64_t index, int32_t dtype) {
   switch (dtype) {
     case ATTNRES_DTYPE_FLOAT64: return static_cast<const double*>(base)[index];
     case ATTNRES_DTYPE_FLOAT32: return static_cast<const float*>(base)[index];
@@ -127,7 +127,7 @@ double LoadScalar(const void* base, int64_t index, attnres_dtype dtype) {
   return 0;
 }
 
-void StoreScalar(void* base, int64_t index, attnres_dtype dtype, double value) {
+void StoreScalar(void* base, int64_t index, int32_t dtype, double value) {
   switch (dtype) {
     case ATTNRES_DTYPE_FLOAT64: static_cast<double*>(base)[index] = value; return;
     case ATTNRES_DTYPE_FLOAT32: static_cast<float*>(base)[index] = float(value); return;
@@ -139,7 +139,7 @@ void StoreScalar(void* base, int64_t index, attnres_dtype dtype, double value) {
 }
 
 // Reads the [dim] vector as A (float or double), as the kernels do.
-double AsAcc(double value, attnres_dtype dtype) {
+double AsAcc(double value, int32_t dtype) {
   return dtype == ATTNRES_DTYPE_FLOAT64 ? value : static_cast<double>(float(value));
 }
 
@@ -162,7 +162,7 @@ class Call {
   explicit Call(const attnres_params& p) : p_(p) {}
 
   attnres_status Prepare(bool backward) {
-    const attnres_dtype dtype = p_.dtype;
+    const int32_t dtype = p_.dtype;
     acc_bytes_ = AccBytes(dtype);
     const int64_t lanes = kMaxVectorBytes / acc_bytes_;
     info_.params = &p_;

@@ -290,12 +290,14 @@ attnres_status FusedForward(const attnres_params& p, const FusedLayout& layout,
   const FusedForwardFn kernel = FusedForwardFor<T>(layout.vector, layout.chunks);
   const int threads = layout.group_threads * layout.groups_per_cta;
   const int64_t steps = (p.num_tokens + layout.groups_per_cta - 1) / layout.groups_per_cta;
+  const size_t shared_wg_bytes = static_cast<size_t>(p.dim) * sizeof(float);
   int grid = 0;
-  if (attnres_status s = PersistentGrid(kernel, threads, 0, steps, "FusedForwardKernel", &grid);
+  if (attnres_status s =
+          PersistentGrid(kernel, threads, shared_wg_bytes, steps, "FusedForwardKernel", &grid);
       s != ATTNRES_OK) {
     return s;
   }
-  kernel<<<grid, threads, 0, stream>>>(args);
+  kernel<<<grid, threads, shared_wg_bytes, stream>>>(args);
   return CheckLaunch("FusedForwardKernel");
 }
 

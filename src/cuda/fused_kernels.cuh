@@ -197,22 +197,63 @@ __device__ __forceinline__ void LoadWeights(const RowSlice<kVec, kChunks>& slice
   }
 }
 
+// wg = w * gamma for the whole row, into shared memory (the forward keeps it
+// there rather than in registers: registers decide how many rows are in flight).
+template <typename T>
+__device__ __forceinline__ void FillSharedWeights(const void* w, const void* gamma, int dim,
+                                                  float* shared_wg) {
+  using Bits = typename Traits<T>::Bits;
+  const Bits* w_bits = static_cast<const Bits*>(w);
+  const Bits* gamma_bits = static_cast<const Bits*>(gamma);
+  for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+    const float wd = Traits<T>::ToAcc(w_bits[d]);
+    shared_wg[d] = gamma_bits != nullptr ? wd * Traits<T>::ToAcc(gamma_bits[d]) : wd;
+  }
+  __syncthreads();
+}
+
+template <int kVec>
+__device__ __forceinline__ void LoadSharedChunk(const float* p, float (&x)[kVec]) {
+  if constexpr (kVec % 4 == 0) {
+#pragma unroll
+    for (int q = 0; q < kVec / 4; ++q) {
+      const float4 f = reinterpret_cast<const float4*>(p)[q];
+      x[4 * q] = f.x;
+      x[4 * q + 1] = f.y;
+      x[4 * q + 2] = f.z;
+      x[4 * q + 3] = f.w;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) x[j] = p[j];
+  }
+}
+
+// Launch bounds cap registers (65536 / (threads * min CTAs)) so that enough
+// rows stay in flight per SM; the host reads the resulting thread limit back
+// (cudaFuncGetAttributes) and picks fewer chunks per thread for wider rows.
+constexpr int ForwardMaxThreads(int chunks) { return chunks >= 4 ? 256 : chunks == 2 ? 512 : 1024; }
+constexpr int ForwardMinCtas(int chunks) { return chunks >= 4 ? 2 : 1; }
+constexpr int kBackwardMaxThreads = 512;
+
 template <typename T, int kVec, int kChunks>
-__global__ void FusedForwardKernel(const __grid_constant__ FusedForwardArgs args) {
+__global__ void __launch_bounds__(ForwardMaxThreads(kChunks), ForwardMinCtas(kChunks))
+    FusedForwardKernel(const __grid_constant__ FusedForwardArgs args) {
   using C = Chunk<T, kVec>;
   using Bits = typename Traits<T>::Bits;
   using Raw = typename C::Raw;
   constexpr int kElems = kVec * kChunks;
   // Two slot arrays, alternated per source, so one barrier per source suffices.
   __shared__ float slots[2][kMaxWarpsPerCta][2];
+  extern __shared__ float4 shared_wg_storage[];  // [dim] floats, 16-byte aligned
+  float* shared_wg = reinterpret_cast<float*>(shared_wg_storage);
 
   const Group g = MakeGroup(args.group_threads);
   const RowSlice<kVec, kChunks> slice(g, args.dim);
   const int num_sources = args.num_sources;
   const float inv_dim = 1.0f / static_cast<float>(args.dim);
 
-  float wg[kElems];
-  LoadWeights<T, kVec, kChunks>(slice, args.w, args.rmsnorm ? args.gamma : nullptr, wg);
+  FillSharedWeights<T>(args.w, args.rmsnorm ? args.gamma : nullptr, args.dim, shared_wg);
 
   const int64_t num_steps = (args.num_tokens + g.per_cta - 1) / g.per_cta;
   int phase = 0;
@@ -235,19 +276,20 @@ __global__ void FusedForwardKernel(const __grid_constant__ FusedForwardArgs args
         slice.template Load<T, Hint::kStreaming>(
             static_cast<const Bits*>(args.sources.Get(i + 1)) + row, valid, next);
       }
-      float v[kElems];
-#pragma unroll
-      for (int k = 0; k < kChunks; ++k) {
-        float x[kVec];
-        C::Unpack(cur[k], x);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) v[k * kVec + j] = x[j];
-      }
+      // Rows stay packed in registers and are unpacked where used (twice):
+      // unpacking is a shift, registers are what limits rows in flight.
       float part[2] = {0.f, 0.f};  // dot(wg, v_i), sum(v_i^2)
 #pragma unroll
-      for (int e = 0; e < kElems; ++e) {
-        part[0] = fmaf(wg[e], v[e], part[0]);
-        part[1] = fmaf(v[e], v[e], part[1]);
+      for (int k = 0; k < kChunks; ++k) {
+        if (!slice.in_row[k]) continue;  // keeps shared_wg reads inside [0, dim)
+        float v[kVec], wg[kVec];
+        C::Unpack(cur[k], v);
+        LoadSharedChunk<kVec>(shared_wg + slice.offset[k], wg);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          part[0] = fmaf(wg[j], v[j], part[0]);
+          part[1] = fmaf(v[j], v[j], part[1]);
+        }
       }
       GroupSum<2>(part, g, slots[phase]);
       phase ^= 1;
@@ -266,7 +308,14 @@ __global__ void FusedForwardKernel(const __grid_constant__ FusedForwardArgs args
       const float p = expf(z - new_max);
       denom = fmaf(denom, rescale, p);
 #pragma unroll
-      for (int e = 0; e < kElems; ++e) acc[e] = fmaf(acc[e], rescale, p * v[e]);
+      for (int k = 0; k < kChunks; ++k) {
+        float v[kVec];
+        C::Unpack(cur[k], v);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          acc[k * kVec + j] = fmaf(acc[k * kVec + j], rescale, p * v[j]);
+        }
+      }
       running_max = new_max;
 #pragma unroll
       for (int k = 0; k < kChunks; ++k) cur[k] = next[k];
@@ -296,7 +345,8 @@ __global__ void FusedForwardKernel(const __grid_constant__ FusedForwardArgs args
 }
 
 template <typename T, int kVec, int kChunks>
-__global__ void FusedBackwardKernel(const __grid_constant__ FusedBackwardArgs args) {
+__global__ void __launch_bounds__(kBackwardMaxThreads)
+    FusedBackwardKernel(const __grid_constant__ FusedBackwardArgs args) {
   using C = Chunk<T, kVec>;
   using Bits = typename Traits<T>::Bits;
   using Raw = typename C::Raw;

@@ -1,0 +1,286 @@
+#!/usr/bin/env python3
+"""GPU benchmark of attnres (SPEC §4) against PyTorch eager, torch.compile and,
+when importable, Liger-Kernel's attn_res, side by side in one process.
+
+attnres is called through its C ABI (ctypes on libattnres.so, device = CUDA,
+stream = torch's current stream), so the benchmark needs only torch and the
+built library, not the Python package.
+
+Minimal bytes per token (bf16 = 2 bytes per element):
+  forward : reads L*D, writes D
+  backward: reads L*D + D (sources, grad_out), writes L*D (one grad per source)
+Effective bandwidth = minimal bytes / time, reported as a fraction of the
+device's streaming bandwidth measured in the same run: a read-only stream for
+the forward, a device-to-device copy (read + write) for the backward.
+
+Prints one JSON document on stdout; progress goes to stderr.
+"""
+import argparse
+import ctypes
+import json
+import math
+import sys
+import time
+
+import torch
+
+DTYPES = {"bf16": (torch.bfloat16, 2), "f16": (torch.float16, 3), "f32": (torch.float32, 0)}
+
+
+# --- The C ABI (include/attnres/attnres.h, ATTNRES_ABI_VERSION 1) -----------
+class Params(ctypes.Structure):
+    _fields_ = [
+        ("abi_version", ctypes.c_int32),
+        ("num_tokens", ctypes.c_int64),
+        ("dim", ctypes.c_int64),
+        ("num_blocks", ctypes.c_int64),
+        ("dtype", ctypes.c_int32),
+        ("device", ctypes.c_int32),
+        ("stream", ctypes.c_void_p),
+        ("blocks", ctypes.POINTER(ctypes.c_void_p)),
+        ("partial", ctypes.c_void_p),
+        ("source_row_stride", ctypes.c_int64),
+        ("proj_weight", ctypes.c_void_p),
+        ("gamma", ctypes.c_void_p),
+        ("scale", ctypes.c_double),
+        ("eps", ctypes.c_double),
+        ("rmsnorm", ctypes.c_int32),
+        ("out", ctypes.c_void_p),
+        ("out_row_stride", ctypes.c_int64),
+        ("rms_cache", ctypes.c_void_p),
+        ("alpha_cache", ctypes.c_void_p),
+        ("grad_out", ctypes.c_void_p),
+        ("grad_out_row_stride", ctypes.c_int64),
+        ("grad_blocks", ctypes.POINTER(ctypes.c_void_p)),
+        ("grad_partial", ctypes.c_void_p),
+        ("grad_source_row_stride", ctypes.c_int64),
+        ("grad_proj_weight", ctypes.c_void_p),
+        ("grad_gamma", ctypes.c_void_p),
+    ]
+
+
+class Native:
+    def __init__(self, path):
+        self.lib = ctypes.CDLL(path)
+        for name in ("attnres_forward", "attnres_backward"):
+            getattr(self.lib, name).argtypes = [ctypes.POINTER(Params)]
+            getattr(self.lib, name).restype = ctypes.c_int
+        self.lib.attnres_params_init.argtypes = [ctypes.POINTER(Params)]
+        self.lib.attnres_last_error.restype = ctypes.c_char_p
+        self.lib.attnres_cuda_available.restype = ctypes.c_int
+        probe = Params()
+        self.lib.attnres_params_init(ctypes.byref(probe))
+        if probe.abi_version != 1:
+            raise RuntimeError(f"libattnres ABI {probe.abi_version}, bench_cuda.py expects 1")
+
+    def params(self, blocks, partial, w, gamma, dtype_code):
+        p = Params()
+        self.lib.attnres_params_init(ctypes.byref(p))
+        x = partial if partial is not None else blocks[0]
+        p.num_tokens, p.dim = x.shape[0], x.shape[1]
+        p.num_blocks = len(blocks)
+        p.dtype = dtype_code
+        p.device = 1
+        p.stream = torch.cuda.current_stream().cuda_stream
+        block_ptrs = (ctypes.c_void_p * max(1, len(blocks)))(*[b.data_ptr() for b in blocks])
+        p.blocks = block_ptrs
+        p.keep_alive = [block_ptrs]
+        p.partial = partial.data_ptr() if partial is not None else None
+        p.source_row_stride = x.stride(0)
+        p.proj_weight = w.data_ptr()
+        p.gamma = gamma.data_ptr()
+        return p
+
+    def check(self, status):
+        if status != 0:
+            raise RuntimeError(f"attnres status {status}: {self.lib.attnres_last_error().decode()}")
+
+
+# --- The baseline: the seed's structure, written plainly in torch -----------
+def reference_forward(blocks, partial, w, gamma, scale=1.0, eps=1e-6):
+    """stack + RMSNorm + einsum + softmax + einsum, fp32 compute."""
+    v = torch.stack(list(blocks) + ([partial] if partial is not None else []), dim=0)  # [L, T, D]
+    vf = v.float()
+    k = vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + eps) * gamma.float()
+    logits = torch.einsum("d,ltd->lt", w.float(), k) * scale
+    alpha = logits.softmax(dim=0)
+    return torch.einsum("lt,ltd->td", alpha, vf).to(v.dtype)
+
+
+def liger_forward():
+    """Liger-Kernel's attn_res forward, if this environment has one."""
+    try:
+        from liger_kernel.ops import attn_res as liger_attn_res  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    fn = getattr(liger_attn_res, "LigerAttnResFunction", None)
+    if fn is None:
+        return None
+
+    def run(blocks, partial, w, gamma):
+        return fn.apply(torch.stack(list(blocks) + [partial], dim=0), w, gamma)
+
+    return run
+
+
+# --- Timing ------------------------------------------------------------------
+def time_cuda(fn, min_iters=3, min_seconds=0.15, max_iters=50):
+    """Median milliseconds of fn() over CUDA events, after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    start_wall = time.perf_counter()
+    while len(times) < max_iters and (len(times) < min_iters or time.perf_counter() - start_wall < min_seconds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def stream_bandwidth(num_bytes=4 << 30):
+    """Bytes/s of a read-only pass (sum) and of a DtoD copy (read + write)."""
+    n = num_bytes // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    copy_ms = time_cuda(lambda: dst.copy_(src))
+    out = torch.empty((), dtype=torch.float32, device="cuda")
+    read_ms = time_cuda(lambda: torch.sum(src, dtype=torch.float32, out=out))
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"read_GBps": num_bytes / read_ms / 1e6, "copy_GBps": 2 * num_bytes / copy_ms / 1e6}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lib", required=True, help="path to libattnres.so (built with CUDA)")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap.add_argument("--dims", default="1536,4096")
+    ap.add_argument("--sources", default="9,17,33", help="L values (N blocks + the partial block)")
+    ap.add_argument("--tokens", default="65536,262144")
+    ap.add_argument("--budget-s", type=float, default=330.0,
+                    help="wall-clock budget: baselines are skipped once it is spent")
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args()
+
+    t0 = time.perf_counter()
+    native = Native(args.lib)
+    if not native.lib.attnres_cuda_available():
+        print(json.dumps({"error": "attnres_cuda_available() == 0"}))
+        return 1
+    torch_dtype, dtype_code = DTYPES[args.dtype]
+    elem = torch.tensor([], dtype=torch_dtype).element_size()
+    props = torch.cuda.get_device_properties(0)
+    bw = stream_bandwidth()
+    print(f"stream bandwidth: {bw}", file=sys.stderr)
+    compiled = None if args.no_compile else torch.compile(reference_forward, dynamic=False)
+    liger = liger_forward()
+    report = {
+        "device": props.name,
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "bandwidth": bw,
+        "liger": "available" if liger else "not importable",
+        "results": [],
+    }
+
+    def over_budget():
+        return time.perf_counter() - t0 > args.budget_s
+
+    for T in [int(x) for x in args.tokens.split(",")]:
+        for D in [int(x) for x in args.dims.split(",")]:
+            for L in [int(x) for x in args.sources.split(",")]:
+                row = {"tokens": T, "dim": D, "sources": L}
+                report["results"].append(row)
+                free, _ = torch.cuda.mem_get_info()
+                # Sources + their grads + out + grad_out, with headroom.
+                need = (2 * L + 2) * T * D * elem
+                if need > 0.9 * free:
+                    row["skipped"] = f"needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+                    print(f"T={T} D={D} L={L}: {row['skipped']}", file=sys.stderr)
+                    continue
+                gen = torch.Generator(device="cuda").manual_seed(T + D + L)
+                blocks = [torch.randn(T, D, device="cuda", dtype=torch_dtype, generator=gen) for _ in range(L - 1)]
+                partial = torch.randn(T, D, device="cuda", dtype=torch_dtype, generator=gen)
+                w = (torch.randn(D, device="cuda", generator=gen) / math.sqrt(D)).to(torch_dtype)
+                gamma = (1 + 0.1 * torch.randn(D, device="cuda", generator=gen)).to(torch_dtype)
+                grad_out = torch.randn(T, D, device="cuda", dtype=torch_dtype, generator=gen)
+                out = torch.empty(T, D, device="cuda", dtype=torch_dtype)
+                grads = [torch.empty_like(partial) for _ in range(L)]
+                dw = torch.empty_like(w)
+                dgamma = torch.empty_like(gamma)
+
+                p = native.params(blocks, partial, w, gamma, dtype_code)
+                p.out, p.out_row_stride = out.data_ptr(), out.stride(0)
+                fwd = lambda: native.check(native.lib.attnres_forward(ctypes.byref(p)))  # noqa: E731
+                q = native.params(blocks, partial, w, gamma, dtype_code)
+                grad_ptrs = (ctypes.c_void_p * max(1, L - 1))(*[g.data_ptr() for g in grads[:-1]])
+                q.grad_out, q.grad_out_row_stride = grad_out.data_ptr(), grad_out.stride(0)
+                q.grad_blocks, q.grad_partial = grad_ptrs, grads[-1].data_ptr()
+                q.keep_alive.append(grad_ptrs)
+                q.grad_source_row_stride = grads[0].stride(0)
+                q.grad_proj_weight, q.grad_gamma = dw.data_ptr(), dgamma.data_ptr()
+                bwd = lambda: native.check(native.lib.attnres_backward(ctypes.byref(q)))  # noqa: E731
+
+                fwd_bytes = (L + 1) * T * D * elem
+                bwd_bytes = (2 * L + 1) * T * D * elem
+                ms = time_cuda(fwd)
+                row["attnres_fwd_ms"] = ms
+                row["attnres_fwd_GBps"] = fwd_bytes / ms / 1e6
+                row["attnres_fwd_frac_of_read_bw"] = row["attnres_fwd_GBps"] / bw["read_GBps"]
+                ms = time_cuda(bwd)
+                row["attnres_bwd_ms"] = ms
+                row["attnres_bwd_GBps"] = bwd_bytes / ms / 1e6
+                row["attnres_bwd_frac_of_copy_bw"] = row["attnres_bwd_GBps"] / bw["copy_GBps"]
+
+                # Sanity: attnres agrees with the baseline on a slice of tokens.
+                with torch.no_grad():
+                    sl = slice(0, min(T, 4096))
+                    ref = reference_forward([b[sl] for b in blocks], partial[sl], w, gamma)
+                    fwd()
+                    err = ((out[sl].float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                    row["max_rel_err_vs_eager"] = err
+
+                baselines = [("eager", reference_forward)]
+                if compiled is not None:
+                    baselines.append(("compile", compiled))
+                if liger is not None:
+                    baselines.append(("liger", liger))
+                for name, fn in baselines:
+                    if over_budget():
+                        row[f"{name}_skipped"] = "time budget spent"
+                        continue
+                    # Eager materialises the stack plus ~3 fp32 copies of it.
+                    if (L * T * D * (elem + 12) + need) > 0.9 * free:
+                        row[f"{name}_skipped"] = "would not fit in device memory"
+                        continue
+                    try:
+                        with torch.no_grad():
+                            ms = time_cuda(lambda: fn(blocks, partial, w, gamma), min_iters=2, min_seconds=0.05)
+                        row[f"{name}_fwd_ms"] = ms
+                        row[f"speedup_fwd_vs_{name}"] = ms / row["attnres_fwd_ms"]
+                        leaves = [t.detach().requires_grad_() for t in blocks + [partial, w, gamma]]
+                        h = fn(leaves[: L - 1], leaves[L - 1], leaves[L], leaves[L + 1])
+                        ms = time_cuda(lambda: torch.autograd.grad(h, leaves, grad_out, retain_graph=True),
+                                       min_iters=2, min_seconds=0.05)
+                        row[f"{name}_bwd_ms"] = ms
+                        row[f"speedup_bwd_vs_{name}"] = ms / row["attnres_bwd_ms"]
+                        del h, leaves
+                    except torch.cuda.OutOfMemoryError:
+                        row[f"{name}_skipped"] = "out of memory"
+                    except Exception as e:  # noqa: BLE001 - report, keep benchmarking
+                        row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+                    torch.cuda.empty_cache()
+                print(json.dumps(row), file=sys.stderr)
+                del blocks, partial, grads, out, grad_out
+                torch.cuda.empty_cache()
+    report["wall_s"] = time.perf_counter() - t0
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

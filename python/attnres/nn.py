@@ -1,0 +1,64 @@
+"""``nn.Module`` front end for Block AttnRes (see ``attnres.ops`` for the math)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .ops import block_attn_res_fn
+
+__all__ = ["BlockAttnRes"]
+
+
+class BlockAttnRes(nn.Module):
+    """Softmax mix over depth of the completed blocks and the partial block.
+
+    Owns the pseudo-query ``w`` ``[dim]``, initialised to zeros so that attention starts
+    uniform over the sources (as in the report), and, when ``rmsnorm`` is on, the key
+    RMSNorm weight ``gamma`` ``[dim]`` (ones). With ``rmsnorm=False`` there is no
+    ``gamma`` parameter (``self.gamma is None``), so no parameter goes unused under DDP.
+
+    ``forward(blocks, partial=None)`` takes a list of ``[..., dim]`` tensors and an
+    optional partial block of the same shape and returns ``h`` ``[..., dim]`` in their
+    dtype (``blocks`` may be empty when ``partial`` is given). Blocks and partial must
+    share one dtype; the parameters are cast to it
+    (differentiably: their gradients arrive in the parameters' own dtype), which is what
+    mixed precision needs -- fp32 master parameters, bf16 activations.
+    """
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, scale: float = 1.0, rmsnorm: bool = True,
+                 dtype: Optional[torch.dtype] = None, device=None) -> None:
+        super().__init__()
+        if dim < 1:
+            raise ValueError(f"BlockAttnRes: dim must be >= 1, got {dim}")
+        factory = {"dtype": dtype, "device": device}
+        self.dim = dim
+        self.eps = eps
+        self.scale = scale
+        self.rmsnorm = rmsnorm
+        self.w = nn.Parameter(torch.empty(dim, **factory))
+        if rmsnorm:
+            self.gamma = nn.Parameter(torch.empty(dim, **factory))
+        else:
+            self.register_parameter("gamma", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.w)
+        if self.gamma is not None:
+            nn.init.ones_(self.gamma)
+
+    def forward(self, blocks: Sequence[Tensor], partial: Optional[Tensor] = None) -> Tensor:
+        first = blocks[0] if len(blocks) else partial
+        if first is None:
+            raise ValueError("BlockAttnRes: at least one source is needed: blocks is empty and "
+                             "partial is None")
+        dtype = first.dtype
+        gamma = self.gamma.to(dtype) if self.gamma is not None else None
+        return block_attn_res_fn(blocks, partial, self.w.to(dtype), gamma,
+                                 eps=self.eps, scale=self.scale, rmsnorm=self.rmsnorm)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, scale={self.scale}, rmsnorm={self.rmsnorm}"

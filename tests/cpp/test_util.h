@@ -1,0 +1,218 @@
+// Shared helpers of the C++ test suite: random problems, storage-dtype
+// conversion, running a problem through the C ABI with every source in its own
+// (optionally strided) allocation, and comparison against the float64 oracle.
+#ifndef ATTNRES_TESTS_CPP_TEST_UTIL_H_
+#define ATTNRES_TESTS_CPP_TEST_UTIL_H_
+
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "attnres/attnres.h"
+#include "ref/reference.h"
+
+namespace attnres_test {
+
+// ---------------------------------------------------------------------------
+// Storage dtypes. All conversions from double round to nearest, ties to even.
+
+uint16_t DoubleToBf16(double x);
+double Bf16ToDouble(uint16_t bits);
+uint16_t DoubleToF16(double x);
+double F16ToDouble(uint16_t bits);
+// double -> float rounded to odd: a following rounding to a narrower format
+// (bf16) then gives the correctly rounded result of the original double.
+float DoubleToFloatRoundToOdd(double x);
+
+size_t DTypeSize(attnres_dtype dtype);
+const char* DTypeName(attnres_dtype dtype);
+// The value `x` becomes once stored in `dtype` (what the library will read).
+double RoundToDType(double x, attnres_dtype dtype);
+// Caches and accumulation: double for f64, float otherwise.
+attnres_dtype CacheDType(attnres_dtype dtype);
+
+// Bytes written into every output buffer (and its padding) before a call, so
+// that stray writes are detectable. Input padding is filled with 0xFF (NaN in
+// every float format), so that stray reads poison the result.
+constexpr uint8_t kOutputSentinel = 0xA5;
+constexpr uint8_t kInputPadding = 0xFF;
+
+// One heap allocation of `count` elements of `dtype` followed by kGuardElements
+// guard elements (never part of the tensor: writes there are out-of-bounds).
+class Buffer {
+ public:
+  static constexpr size_t kGuardElements = 8;
+
+  Buffer() = default;
+  Buffer(attnres_dtype dtype, size_t count, uint8_t fill);
+
+  attnres_dtype dtype() const { return dtype_; }
+  size_t count() const { return count_; }
+  size_t elem_size() const { return DTypeSize(dtype_); }
+  void* data() { return storage_.data(); }
+  const void* data() const { return storage_.data(); }
+  unsigned char* bytes() { return storage_.data(); }
+  const unsigned char* bytes() const { return storage_.data(); }
+  size_t total_bytes() const { return storage_.size(); }
+
+  void Set(size_t i, double v);
+  double Get(size_t i) const;
+  void Fill(uint8_t pattern);
+  // True when elements [first, first + n) all hold `pattern` bytes.
+  bool BytesAre(size_t first, size_t n, uint8_t pattern) const;
+  bool GuardIntact(uint8_t pattern) const {
+    return BytesAre(count_, kGuardElements, pattern);
+  }
+
+ private:
+  attnres_dtype dtype_ = ATTNRES_DTYPE_FLOAT32;
+  size_t count_ = 0;
+  std::vector<unsigned char> storage_;
+};
+
+// Elements of a [rows, dim] tensor with the given row stride: the last row
+// ends at dim, so the allocation is exactly what the ABI may touch.
+inline size_t StridedCount(int64_t rows, int64_t dim, int64_t stride) {
+  return rows == 0 ? 0 : static_cast<size_t>((rows - 1) * stride + dim);
+}
+
+// ---------------------------------------------------------------------------
+// Problems.
+
+struct Case {
+  int64_t tokens = 4;
+  int64_t dim = 8;
+  int64_t num_blocks = 3;
+  bool has_partial = true;
+  bool rmsnorm = true;
+  bool has_gamma = true;  // false: gamma = NULL (all ones)
+  double scale = 1.0;
+  double eps = 1e-6;
+  attnres_dtype dtype = ATTNRES_DTYPE_FLOAT32;
+  // Row stride = dim + pad, per stride field of attnres_params.
+  int64_t source_pad = 0;
+  int64_t out_pad = 0;
+  int64_t grad_out_pad = 0;
+  int64_t grad_source_pad = 0;
+  uint64_t seed = 1;
+
+  int64_t num_sources() const { return num_blocks + (has_partial ? 1 : 0); }
+  std::string Describe() const;
+};
+
+// Random problem (seeded std::mt19937_64) whose values are all representable
+// in case.dtype: sources ~ N(0, s_i^2) with a per-source s_i in [0.5, 2],
+// w ~ N(0, 1/D) (logits of order one), gamma ~ 1 + N(0, 0.2^2).
+attnres::ref::Problem MakeProblem(const Case& c);
+// Random upstream gradient [tokens * dim], representable in case.dtype.
+std::vector<double> MakeGradOut(const Case& c);
+
+// ---------------------------------------------------------------------------
+// Running through the C ABI.
+
+struct ForwardOutput {
+  attnres_status status = ATTNRES_OK;
+  std::string error;         // attnres_last_error() when status != OK
+  std::vector<double> out;   // [tokens * dim]
+  std::vector<double> rms;   // [tokens * L] when requested
+  std::vector<double> alpha; // [tokens * L] when requested
+  std::string layout_error;  // non-empty when padding or guards were written
+};
+
+struct BackwardOptions {
+  bool use_rms_cache = false;    // pass rms_cache (written by a forward first)
+  bool use_alpha_cache = false;  // pass alpha_cache (written by a forward first)
+  bool grad_blocks_null = false; // grad_blocks = NULL (no block gradients)
+  std::vector<bool> skip_source; // per source: NULL gradient pointer
+  bool skip_w = false;
+  bool skip_gamma = false;       // always skipped when rmsnorm is off
+};
+
+struct BackwardOutput {
+  attnres_status status = ATTNRES_OK;
+  std::string error;
+  std::vector<std::vector<double>> grad_sources;  // L entries; empty if skipped
+  std::vector<double> grad_w;                     // empty if skipped
+  std::vector<double> grad_gamma;                 // empty if skipped
+  std::string layout_error;
+};
+
+// Owns a problem laid out the way a caller with separate tensors would hold it:
+// every block, the partial block, w, gamma and every output in its own
+// allocation, rows `dim + pad` apart.
+class AbiProblem {
+ public:
+  AbiProblem(const Case& c, const attnres::ref::Problem& p);
+
+  const Case& config() const { return case_; }
+  // params with sizes, flags and inputs set; outputs NULL.
+  attnres_params InputParams() const;
+
+  ForwardOutput Forward(bool want_rms_cache, bool want_alpha_cache);
+  BackwardOutput Backward(const std::vector<double>& grad_out,
+                          const BackwardOptions& options);
+
+  // Direct access for tests that poke at storage.
+  Buffer& source(int64_t i) { return sources_[i]; }
+  Buffer& proj_weight() { return w_; }
+  Buffer& gamma() { return gamma_; }
+
+ private:
+  // Upcasts a strided [tokens, dim] tensor; checks padding and guard.
+  std::vector<double> ReadRows(const Buffer& b, int64_t stride, const char* name,
+                               std::string* layout_error) const;
+
+  Case case_;
+  int64_t L_;
+  std::vector<Buffer> sources_;  // L buffers, the partial block last
+  std::vector<const void*> block_ptrs_;
+  Buffer w_, gamma_;
+  Buffer out_, rms_cache_, alpha_cache_;
+  bool caches_valid_ = false;
+  Buffer grad_out_;
+  std::vector<Buffer> grad_sources_;
+  std::vector<void*> grad_block_ptrs_;
+  Buffer grad_w_, grad_gamma_;
+};
+
+// ---------------------------------------------------------------------------
+// Comparison.
+
+// max|actual - expected| / max|expected|; the absolute error when expected is
+// all zeros; +inf when sizes differ or actual has a non-finite value where
+// expected is finite.
+double RelMaxError(const std::vector<double>& actual,
+                   const std::vector<double>& expected);
+
+// EXPECT_TRUE(Close("out", a, e, 1e-5)) prints the worst element on failure.
+::testing::AssertionResult Close(const std::string& what,
+                                 const std::vector<double>& actual,
+                                 const std::vector<double>& expected, double tol);
+
+struct Tolerance {
+  double out;    // h
+  double grad;   // every gradient tensor, dw and dgamma included
+  double cache;  // rms / alpha caches (accumulation dtype)
+};
+// SPEC §3.
+Tolerance ToleranceFor(attnres_dtype dtype);
+
+// ---------------------------------------------------------------------------
+// CPU ISAs.
+
+// The names attnres_set_cpu_isa accepts on this machine, best first.
+std::vector<std::string> AvailableIsas();
+// Runs `body` once per available ISA, with that ISA forced and a SCOPED_TRACE
+// naming it; restores the automatic choice afterwards.
+void ForEachIsa(const std::function<void(const std::string& isa)>& body);
+
+// Bitwise equality of two double vectors (NaNs with equal payloads compare equal).
+bool BitwiseEqual(const std::vector<double>& a, const std::vector<double>& b);
+
+}  // namespace attnres_test
+
+#endif  // ATTNRES_TESTS_CPP_TEST_UTIL_H_
