@@ -5,5 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
 cmake --build build -j"$(nproc)"
-python3 -m pip install -q --no-build-isolation . 2>&1 | grep -v -i "warning" || true
+# The wheel builds the CUDA backend too when nvcc is found; ATTNRES_WHEEL_CUDA=OFF
+# skips that second CUDA compile (CI: the CMake build above already compiles and
+# links it, and there is no GPU to route tensors to).
+python3 -m pip install -q --no-build-isolation \
+  -C cmake.define.ATTNRES_CUDA="${ATTNRES_WHEEL_CUDA:-ON}" . 2>&1 | grep -v -i "warning" || true
 python3 -c "import attnres" # fails loudly if the install did not work

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-bash scripts/build.sh
+ATTNRES_WHEEL_CUDA=OFF bash scripts/build.sh
 echo "== C++ tests"
 ./build/attnres_tests --gtest_brief=1
 echo "== attnres check on every CPU variant"

@@ -150,6 +150,16 @@ def _rows(tensors: Sequence[torch.Tensor], dim: int) -> Tuple[List[torch.Tensor]
     return [t if s == dim else t.contiguous() for t, s in zip(tensors, strides)], dim
 
 
+def _call(function, params: _Params, like: torch.Tensor) -> None:
+    """Calls the ABI; on CUDA with the tensors' device current, as the kernels
+    launch on the current device and torch's current stream for it."""
+    if like.device.type == "cuda":
+        with torch.cuda.device(like.device):
+            _check(function(ctypes.byref(params)))
+    else:
+        _check(function(ctypes.byref(params)))
+
+
 def _stream_and_device(x: torch.Tensor) -> Tuple[int, Optional[int]]:
     if x.device.type == "cpu":
         return _DEVICE_CPU, None
@@ -236,7 +246,7 @@ def forward(blocks: Sequence[torch.Tensor], partial: Optional[torch.Tensor],
         eps=float(eps), rmsnorm=int(bool(rmsnorm)), out=out.data_ptr(), out_row_stride=dim,
         rms_cache=rms.data_ptr() if rms is not None else None,
         alpha_cache=alpha.data_ptr() if alpha is not None else None)
-    _check(_lib.attnres_forward(ctypes.byref(p)))
+    _call(_lib.attnres_forward, p, first)
     return out, rms, alpha
 
 
@@ -308,5 +318,5 @@ def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
         rms_cache=ptr(rms_cache), alpha_cache=ptr(alpha_cache), grad_out=grad_out.data_ptr(),
         grad_out_row_stride=grad_stride, grad_blocks=grad_ptrs, grad_partial=ptr(grad_partial),
         grad_source_row_stride=dim, grad_proj_weight=ptr(grad_w), grad_gamma=ptr(grad_gamma))
-    _check(_lib.attnres_backward(ctypes.byref(p)))
+    _call(_lib.attnres_backward, p, first)
     return grad_blocks, grad_partial, grad_w, grad_gamma
