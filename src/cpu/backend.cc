@@ -13,7 +13,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <new>
 #include <string>
 #include <vector>
 
@@ -146,14 +145,31 @@ double AsAcc(double value, int32_t dtype) {
 struct AlignedFree {
   void operator()(void* p) const { std::free(p); }
 };
-using Buffer = std::unique_ptr<void, AlignedFree>;
 
-Buffer AllocateZeroed(int64_t bytes) {
-  const int64_t rounded = (std::max<int64_t>(bytes, 1) + kMaxVectorBytes - 1) /
-                          kMaxVectorBytes * kMaxVectorBytes;
-  void* p = std::aligned_alloc(kMaxVectorBytes, rounded);
-  if (p != nullptr) std::memset(p, 0, rounded);
-  return Buffer(p);
+// Scratch memory of the calling thread, kept between calls and grown on demand:
+// a small call then costs no allocation (the Python-side overhead target is tens
+// of microseconds). Returns nullptr when the memory cannot be had.
+void* ThreadArena(int64_t bytes) {
+  thread_local std::unique_ptr<void, AlignedFree> arena;
+  thread_local int64_t capacity = 0;
+  if (bytes > capacity) {
+    const int64_t rounded = (bytes + kMaxVectorBytes - 1) / kMaxVectorBytes * kMaxVectorBytes;
+    arena.reset(std::aligned_alloc(kMaxVectorBytes, rounded));
+    capacity = arena != nullptr ? rounded : 0;
+  }
+  return arena.get();
+}
+
+// Runs fn(thread, item) for items [0, n): inline when one thread is enough,
+// otherwise over OpenMP with a static schedule.
+template <typename Fn>
+void ParallelFor(int threads, int64_t n, const Fn& fn) {
+  if (threads <= 1) {
+    for (int64_t item = 0; item < n; ++item) fn(0, item);
+    return;
+  }
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t item = 0; item < n; ++item) fn(omp_get_thread_num(), item);
 }
 
 // Everything one call needs besides the kernels: sources, wg, scratch.
@@ -161,7 +177,7 @@ class Call {
  public:
   explicit Call(const attnres_params& p) : p_(p) {}
 
-  attnres_status Prepare(bool backward) {
+  void Prepare(bool backward) {
     const int32_t dtype = p_.dtype;
     acc_bytes_ = AccBytes(dtype);
     const int64_t lanes = kMaxVectorBytes / acc_bytes_;
@@ -184,44 +200,48 @@ class Call {
       info_.grad_sources = grad_sources_.data();
       info_.want_weight_grads = p_.grad_proj_weight != nullptr || p_.grad_gamma != nullptr;
     }
-
-    wg_ = AllocateZeroed(info_.padded_dim * acc_bytes_);
-    if (wg_ == nullptr) return OutOfMemory("w * gamma", info_.padded_dim * acc_bytes_);
-    for (int64_t d = 0; d < p_.dim; ++d) {
-      double value = AsAcc(LoadScalar(p_.proj_weight, d, dtype), dtype);
-      if (p_.rmsnorm && p_.gamma != nullptr) {
-        value = value * AsAcc(LoadScalar(p_.gamma, d, dtype), dtype);
-      }
-      StoreAcc(wg_.get(), d, value);
-    }
-    info_.wg = wg_.get();
-    return ATTNRES_OK;
   }
 
-  // Scratch for `threads` threads plus, for the backward, `chunks` rows of U.
+  // One block of the thread arena: w * gamma, then per-thread scratch, then, for
+  // the backward, `chunks` zeroed rows of U.
   attnres_status AllocateScratch(int threads, int64_t chunks) {
-    const int64_t tile = info_.tile_tokens, L = info_.num_sources;
-    acc_elems_ = tile * info_.padded_dim;
-    stats_elems_ = 4 * tile * L + 2 * tile;
-    per_thread_ = acc_elems_ + (stats_elems_ + 15) / 16 * 16;
-    const int64_t bytes = (threads * per_thread_ + chunks * info_.padded_dim) * acc_bytes_;
-    scratch_ = AllocateZeroed(bytes);
-    if (scratch_ == nullptr) return OutOfMemory("scratch", bytes);
+    const int64_t tile = info_.tile_tokens, L = info_.num_sources, padded = info_.padded_dim;
+    acc_elems_ = tile * padded;
+    const int64_t stats_elems = 4 * tile * L + 2 * tile;
+    per_thread_ = acc_elems_ + (stats_elems + 15) / 16 * 16;  // keep 64-byte alignment
+    const int64_t elems = padded + threads * per_thread_ + chunks * padded;
+    base_ = static_cast<char*>(ThreadArena(elems * acc_bytes_));
+    if (base_ == nullptr) {
+      return Fail(ATTNRES_ERROR_OUT_OF_MEMORY, "could not allocate " +
+                                                   std::to_string(elems * acc_bytes_) +
+                                                   " bytes of scratch");
+    }
+    const int32_t dtype = p_.dtype;
+    for (int64_t d = 0; d < padded; ++d) {  // zeros beyond dim: whole-vector reads
+      double value = 0;
+      if (d < p_.dim) {
+        value = AsAcc(LoadScalar(p_.proj_weight, d, dtype), dtype);
+        if (p_.rmsnorm && p_.gamma != nullptr) {
+          value = value * AsAcc(LoadScalar(p_.gamma, d, dtype), dtype);
+        }
+      }
+      StoreAcc(base_, d, value);
+    }
+    info_.wg = base_;
+    u_rows_ = base_ + (padded + threads * per_thread_) * acc_bytes_;
+    std::memset(u_rows_, 0, chunks * padded * acc_bytes_);
     return ATTNRES_OK;
   }
 
   Scratch ThreadScratch(int thread) const {
-    char* base = static_cast<char*>(scratch_.get()) + thread * per_thread_ * acc_bytes_;
+    char* base = base_ + (info_.padded_dim + thread * per_thread_) * acc_bytes_;
     return Scratch{base, base + acc_elems_ * acc_bytes_, nullptr};
   }
 
-  void* ChunkU(int threads, int64_t chunk) const {
-    return static_cast<char*>(scratch_.get()) +
-           (threads * per_thread_ + chunk * info_.padded_dim) * acc_bytes_;
-  }
+  void* ChunkU(int64_t chunk) const { return u_rows_ + chunk * info_.padded_dim * acc_bytes_; }
 
-  double ChunkUValue(int threads, int64_t chunk, int64_t d) const {
-    const void* u = ChunkU(threads, chunk);
+  double ChunkUValue(int64_t chunk, int64_t d) const {
+    const void* u = ChunkU(chunk);
     return acc_bytes_ == 8 ? static_cast<const double*>(u)[d]
                            : static_cast<const float*>(u)[d];
   }
@@ -237,18 +257,14 @@ class Call {
     }
   }
 
-  static attnres_status OutOfMemory(const char* what, int64_t bytes) {
-    return Fail(ATTNRES_ERROR_OUT_OF_MEMORY,
-                std::string("could not allocate ") + std::to_string(bytes) + " bytes for " + what);
-  }
-
   const attnres_params& p_;
   CallInfo info_{};
   std::vector<const void*> sources_;
   std::vector<void*> grad_sources_;
   int64_t acc_bytes_ = 4;
-  int64_t acc_elems_ = 0, stats_elems_ = 0, per_thread_ = 0;
-  Buffer wg_, scratch_;
+  int64_t acc_elems_ = 0, per_thread_ = 0;
+  char* base_ = nullptr;    // the thread arena
+  char* u_rows_ = nullptr;  // [chunks, padded_dim]
 };
 
 int ThreadsFor(int64_t work_items) {
@@ -288,28 +304,22 @@ std::string CompiledIsaNames() {
 attnres_status CpuForward(const attnres_params& p) {
   if (p.num_tokens == 0) return ATTNRES_OK;
   cpu::Call call(p);
-  if (attnres_status s = call.Prepare(/*backward=*/false); s != ATTNRES_OK) return s;
+  call.Prepare(/*backward=*/false);
   const int64_t tile = call.info().tile_tokens;
   const int64_t num_tiles = (p.num_tokens + tile - 1) / tile;
   const int threads = cpu::ThreadsFor(num_tiles);
   if (attnres_status s = call.AllocateScratch(threads, 0); s != ATTNRES_OK) return s;
   const cpu::TileFn forward = cpu::Table().forward[p.dtype];
-
-#pragma omp parallel num_threads(threads)
-  {
-    const cpu::Scratch scratch = call.ThreadScratch(omp_get_thread_num());
-#pragma omp for schedule(static)
-    for (int64_t tile_index = 0; tile_index < num_tiles; ++tile_index) {
-      const int64_t begin = tile_index * tile;
-      forward(call.info(), scratch, begin, std::min(begin + tile, p.num_tokens));
-    }
-  }
+  cpu::ParallelFor(threads, num_tiles, [&](int thread, int64_t tile_index) {
+    const int64_t begin = tile_index * tile;
+    forward(call.info(), call.ThreadScratch(thread), begin, std::min(begin + tile, p.num_tokens));
+  });
   return ATTNRES_OK;
 }
 
 attnres_status CpuBackward(const attnres_params& p) {
   cpu::Call call(p);
-  if (attnres_status s = call.Prepare(/*backward=*/true); s != ATTNRES_OK) return s;
+  call.Prepare(/*backward=*/true);
   const int64_t tile = call.info().tile_tokens;
   const int64_t num_chunks = (p.num_tokens + cpu::kChunkTokens - 1) / cpu::kChunkTokens;
   const int threads = cpu::ThreadsFor(num_chunks);
@@ -317,31 +327,25 @@ attnres_status CpuBackward(const attnres_params& p) {
   const int64_t u_rows = weight_grads ? num_chunks : 0;
   if (attnres_status s = call.AllocateScratch(threads, u_rows); s != ATTNRES_OK) return s;
   const cpu::TileFn backward = cpu::Table().backward[p.dtype];
-
-#pragma omp parallel num_threads(threads)
-  {
-    cpu::Scratch scratch = call.ThreadScratch(omp_get_thread_num());
-#pragma omp for schedule(static)
-    for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
-      scratch.u = weight_grads ? call.ChunkU(threads, chunk) : nullptr;
-      const int64_t chunk_end = std::min((chunk + 1) * cpu::kChunkTokens, p.num_tokens);
-      for (int64_t begin = chunk * cpu::kChunkTokens; begin < chunk_end; begin += tile) {
-        backward(call.info(), scratch, begin, std::min(begin + tile, chunk_end));
-      }
+  cpu::ParallelFor(threads, num_chunks, [&](int thread, int64_t chunk) {
+    cpu::Scratch scratch = call.ThreadScratch(thread);
+    scratch.u = weight_grads ? call.ChunkU(chunk) : nullptr;
+    const int64_t chunk_end = std::min((chunk + 1) * cpu::kChunkTokens, p.num_tokens);
+    for (int64_t begin = chunk * cpu::kChunkTokens; begin < chunk_end; begin += tile) {
+      backward(call.info(), scratch, begin, std::min(begin + tile, chunk_end));
     }
-  }
+  });
 
   if (weight_grads) {
     // U summed over chunks in chunk order; dw = gamma * U, dgamma = w * U.
     const bool has_gamma = p.rmsnorm && p.gamma != nullptr;
-#pragma omp parallel for num_threads(cpu::ThreadsFor(p.dim / 256 + 1)) schedule(static)
-    for (int64_t d = 0; d < p.dim; ++d) {
+    cpu::ParallelFor(cpu::ThreadsFor(p.dim / 256 + 1), p.dim, [&](int, int64_t d) {
       double u = 0;
       if (p.dtype == ATTNRES_DTYPE_FLOAT64) {
-        for (int64_t c = 0; c < num_chunks; ++c) u += call.ChunkUValue(threads, c, d);
+        for (int64_t c = 0; c < num_chunks; ++c) u += call.ChunkUValue(c, d);
       } else {
         float u32 = 0;  // float accumulation, as everywhere else for these dtypes
-        for (int64_t c = 0; c < num_chunks; ++c) u32 += float(call.ChunkUValue(threads, c, d));
+        for (int64_t c = 0; c < num_chunks; ++c) u32 += float(call.ChunkUValue(c, d));
         u = u32;
       }
       if (p.grad_proj_weight != nullptr) {
@@ -352,7 +356,7 @@ attnres_status CpuBackward(const attnres_params& p) {
         const double w = cpu::LoadScalar(p.proj_weight, d, p.dtype);
         cpu::StoreScalar(p.grad_gamma, d, p.dtype, cpu::AsAcc(w * u, p.dtype));
       }
-    }
+    });
   }
   return ATTNRES_OK;
 }
