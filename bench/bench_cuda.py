@@ -19,6 +19,7 @@ import argparse
 import ctypes
 import json
 import math
+import os
 import sys
 import time
 
@@ -27,36 +28,11 @@ import torch
 DTYPES = {"bf16": (torch.bfloat16, 2), "f16": (torch.float16, 3), "f32": (torch.float32, 0)}
 
 
-# --- The C ABI (include/attnres/attnres.h, ATTNRES_ABI_VERSION 1) -----------
-class Params(ctypes.Structure):
-    _fields_ = [
-        ("abi_version", ctypes.c_int32),
-        ("num_tokens", ctypes.c_int64),
-        ("dim", ctypes.c_int64),
-        ("num_blocks", ctypes.c_int64),
-        ("dtype", ctypes.c_int32),
-        ("device", ctypes.c_int32),
-        ("stream", ctypes.c_void_p),
-        ("blocks", ctypes.POINTER(ctypes.c_void_p)),
-        ("partial", ctypes.c_void_p),
-        ("source_row_stride", ctypes.c_int64),
-        ("proj_weight", ctypes.c_void_p),
-        ("gamma", ctypes.c_void_p),
-        ("scale", ctypes.c_double),
-        ("eps", ctypes.c_double),
-        ("rmsnorm", ctypes.c_int32),
-        ("out", ctypes.c_void_p),
-        ("out_row_stride", ctypes.c_int64),
-        ("rms_cache", ctypes.c_void_p),
-        ("alpha_cache", ctypes.c_void_p),
-        ("grad_out", ctypes.c_void_p),
-        ("grad_out_row_stride", ctypes.c_int64),
-        ("grad_blocks", ctypes.POINTER(ctypes.c_void_p)),
-        ("grad_partial", ctypes.c_void_p),
-        ("grad_source_row_stride", ctypes.c_int64),
-        ("grad_proj_weight", ctypes.c_void_p),
-        ("grad_gamma", ctypes.c_void_p),
-    ]
+# --- The C ABI ------------------------------------------------------------------
+# The ctypes mirror of attnres_params lives in the package (python/attnres/_native.py);
+# run with PYTHONPATH=python (scripts/gpu_check.sh does) so that no installed
+# package is needed. _native loads the library named by ATTNRES_LIBRARY.
+Params = None  # bound in main() once --lib is known
 
 
 class Native:
@@ -167,6 +143,9 @@ def main():
     args = ap.parse_args()
 
     t0 = time.perf_counter()
+    global Params
+    os.environ["ATTNRES_LIBRARY"] = args.lib
+    from attnres._native import _Params as Params  # noqa: E402 (needs ATTNRES_LIBRARY)
     native = Native(args.lib)
     if not native.lib.attnres_cuda_available():
         print(json.dumps({"error": "attnres_cuda_available() == 0"}))

@@ -65,7 +65,7 @@ BENCH_RC=-1
 LIB="$(ls "$BUILD_DIR"/libattnres.so 2>/dev/null | head -n1)"
 if [ $BUILD_RC -eq 0 ] && [ -n "$LIB" ]; then
   # shellcheck disable=SC2086
-  timeout 330 python3 "$ROOT/bench/bench_cuda.py" --lib "$LIB" --budget-s "$BENCH_BUDGET_S" \
+  PYTHONPATH="$ROOT/python" timeout 330 python3 "$ROOT/bench/bench_cuda.py" --lib "$LIB" --budget-s "$BENCH_BUDGET_S" \
     ${BENCH_ARGS:-} >"$LOG_DIR/bench.json" 2>"$LOG_DIR/bench.log"
   BENCH_RC=$?
 fi
