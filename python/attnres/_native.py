@@ -144,6 +144,8 @@ def _row_stride(x: torch.Tensor, dim: int) -> Optional[int]:
 
 def _rows(tensors: Sequence[torch.Tensor], dim: int) -> Tuple[List[torch.Tensor], int]:
     """The tensors with one shared row stride, copying only those that need it."""
+    if all(t.is_contiguous() for t in tensors):
+        return tensors, dim
     strides = [_row_stride(t, dim) for t in tensors]
     if strides and all(s == strides[0] for s in strides) and strides[0] is not None:
         return list(tensors), strides[0]
@@ -153,7 +155,7 @@ def _rows(tensors: Sequence[torch.Tensor], dim: int) -> Tuple[List[torch.Tensor]
 def _call(function, params: _Params, like: torch.Tensor) -> None:
     """Calls the ABI; on CUDA with the tensors' device current, as the kernels
     launch on the current device and torch's current stream for it."""
-    if like.device.type == "cuda":
+    if like.is_cuda:
         with torch.cuda.device(like.device):
             _check(function(ctypes.byref(params)))
     else:
@@ -161,39 +163,51 @@ def _call(function, params: _Params, like: torch.Tensor) -> None:
 
 
 def _stream_and_device(x: torch.Tensor) -> Tuple[int, Optional[int]]:
-    if x.device.type == "cpu":
+    if x.is_cpu:
         return _DEVICE_CPU, None
-    if x.device.type == "cuda":
+    if x.is_cuda:
         return _DEVICE_CUDA, torch.cuda.current_stream(x.device).cuda_stream
     raise ValueError(f"tensors must be on the CPU or a CUDA device, got {x.device}")
 
 
-def _check_inputs(blocks, partial, proj_weight, gamma) -> Tuple[int, torch.dtype]:
-    """Shapes, dtypes and devices shared by forward and backward; returns D and dtype."""
-    if len(blocks) == 0 and partial is None:
+def _sources(blocks, partial, proj_weight, gamma) -> Tuple[List[torch.Tensor], int, torch.dtype]:
+    """[*blocks, partial] once their shapes, dtypes and devices agree, with D and the
+    dtype. The loop is the per-call cost that grows with L: cheap checks first."""
+    sources = list(blocks)
+    if partial is not None:
+        sources.append(partial)
+    if not sources:
         raise ValueError("at least one source is needed: blocks is empty and partial is None")
-    first = blocks[0] if len(blocks) else partial
+    first = sources[0]
     if first.dim() == 0:
         raise ValueError("blocks must have a last dimension D, got a 0-d tensor")
-    if first.dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of bfloat16, float16, float32, float64, got {first.dtype}")
-    dim = first.shape[-1]
-    named = [(f"blocks[{i}]", b) for i, b in enumerate(blocks)]
-    if partial is not None:
-        named.append(("partial", partial))
-    for name, t in named:
-        if t.shape != first.shape:
-            raise ValueError(f"{name} shape must be {tuple(first.shape)}, got {tuple(t.shape)}")
-    for name, t in named + [("proj_weight", proj_weight)] + ([("gamma", gamma)] if gamma is not None else []):
-        if t.dtype != first.dtype:
-            raise ValueError(f"{name} dtype must be {first.dtype} (all inputs share one dtype), "
-                             f"got {t.dtype}")
-        if t.device != first.device:
-            raise ValueError(f"{name} device must be {first.device}, got {t.device}")
-    for name, t in (("proj_weight", proj_weight), ("gamma", gamma)):
+    dtype, shape, device = first.dtype, first.shape, first.device
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of bfloat16, float16, float32, float64, got {dtype}")
+    on_cpu = first.is_cpu
+    dim = shape[-1]
+    named_vectors = (("proj_weight", proj_weight), ("gamma", gamma))
+    for t in sources + [v for _, v in named_vectors if v is not None]:
+        if t.dtype is not dtype or not (t.is_cpu if on_cpu else t.device == device):
+            break
+    else:
+        if all(t.shape == shape for t in sources) and proj_weight.shape == (dim,) and (
+                gamma is None or gamma.shape == (dim,)):
+            return sources, dim, dtype
+    # Something is off: find the first culprit for the message.
+    names = [f"blocks[{i}]" for i in range(len(blocks))] + (["partial"] if partial is not None else [])
+    for name, t in list(zip(names, sources)) + [nv for nv in named_vectors if nv[1] is not None]:
+        if t.dtype is not dtype:
+            raise ValueError(f"{name} dtype must be {dtype} (all inputs share one dtype), got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} device must be {device}, got {t.device}")
+    for name, t in zip(names, sources):
+        if t.shape != shape:
+            raise ValueError(f"{name} shape must be {tuple(shape)}, got {tuple(t.shape)}")
+    for name, t in named_vectors:
         if t is not None and tuple(t.shape) != (dim,):
             raise ValueError(f"{name} shape must be ({dim},), got {tuple(t.shape)}")
-    return dim, first.dtype
+    raise AssertionError("unreachable: a check failed above")
 
 
 def _check_scalars(scale: float, eps: float) -> None:
@@ -216,36 +230,37 @@ def forward(blocks: Sequence[torch.Tensor], partial: Optional[torch.Tensor],
     Returns (h, rms, alpha): h has the shape and dtype of the sources; rms and
     alpha are [..., L] of the accumulation dtype, or None when not requested.
     """
-    dim, dtype = _check_inputs(blocks, partial, proj_weight, gamma)
+    sources, dim, dtype = _sources(blocks, partial, proj_weight, gamma)
     _check_scalars(scale, eps)
     if want_rms and not rmsnorm:
         raise ValueError("want_rms=True needs rmsnorm=True (there is no rms to cache)")
-    sources, stride = _rows(list(blocks) + ([partial] if partial is not None else []), dim)
+    sources, stride = _rows(sources, dim)
     first = sources[0]
-    lead = tuple(first.shape[:-1])
     num_sources = len(sources)
     tokens = first.numel() // dim if dim else 0
     device, stream = _stream_and_device(first)
     proj_weight, gamma = _vector(proj_weight), _vector(gamma if rmsnorm else None)
 
-    out = torch.empty(lead + (dim,), dtype=dtype, device=first.device)
-    acc = accumulation_dtype(dtype)
-    rms = torch.empty(lead + (num_sources,), dtype=acc, device=first.device) if want_rms else None
-    alpha = torch.empty(lead + (num_sources,), dtype=acc, device=first.device) if want_alpha else None
+    out = torch.empty_like(first, memory_format=torch.contiguous_format)
+    if want_rms or want_alpha:
+        cache_shape = tuple(first.shape[:-1]) + (num_sources,)
+        acc = accumulation_dtype(dtype)
+        rms = torch.empty(cache_shape, dtype=acc, device=first.device) if want_rms else None
+        alpha = torch.empty(cache_shape, dtype=acc, device=first.device) if want_alpha else None
+    else:
+        rms = alpha = None
     if tokens == 0:  # empty tensors may have null data pointers, which the ABI refuses
         return out, rms, alpha
 
     num_blocks = len(blocks)
     block_ptrs = (ctypes.c_void_p * max(1, num_blocks))(*[s.data_ptr() for s in sources[:num_blocks]])
-    p = _Params(
-        abi_version=_ABI_VERSION, num_tokens=tokens, dim=dim, num_blocks=num_blocks,
-        dtype=_DTYPES[dtype], device=device, stream=stream, blocks=block_ptrs,
-        partial=sources[-1].data_ptr() if partial is not None else None,
-        source_row_stride=stride, proj_weight=proj_weight.data_ptr(),
-        gamma=gamma.data_ptr() if gamma is not None else None, scale=float(scale),
-        eps=float(eps), rmsnorm=int(bool(rmsnorm)), out=out.data_ptr(), out_row_stride=dim,
-        rms_cache=rms.data_ptr() if rms is not None else None,
-        alpha_cache=alpha.data_ptr() if alpha is not None else None)
+    # Positional, in _Params._fields_ order: a third cheaper than keywords.
+    p = _Params(_ABI_VERSION, tokens, dim, num_blocks, _DTYPES[dtype], device, stream,
+                block_ptrs, sources[-1].data_ptr() if partial is not None else None, stride,
+                proj_weight.data_ptr(), gamma.data_ptr() if gamma is not None else None,
+                scale, eps, rmsnorm, out.data_ptr(), dim,
+                rms.data_ptr() if rms is not None else None,
+                alpha.data_ptr() if alpha is not None else None)
     _call(_lib.attnres_forward, p, first)
     return out, rms, alpha
 
@@ -263,10 +278,10 @@ def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
     (grad_blocks: list of N (tensor or None), grad_partial, grad_proj_weight,
     grad_gamma); grad_gamma is None when rmsnorm is off.
     """
-    dim, dtype = _check_inputs(blocks, partial, proj_weight, gamma)
+    sources, dim, dtype = _sources(blocks, partial, proj_weight, gamma)
     _check_scalars(scale, eps)
     num_blocks = len(blocks)
-    sources, stride = _rows(list(blocks) + ([partial] if partial is not None else []), dim)
+    sources, stride = _rows(sources, dim)
     first = sources[0]
     lead = tuple(first.shape[:-1])
     num_sources = len(sources)
