@@ -4,7 +4,11 @@
 set -euo pipefail
 
 need_apt=()
-for pkg in g++ cmake ninja-build libgtest-dev nlohmann-json3-dev; do
+# clang-16 (with its compiler-rt and OpenMP) builds the libFuzzer target
+# (scripts/fuzz.sh): the newest clang in Debian 12, and the first there that
+# compiles _Float16 on x86-64.
+for pkg in g++ cmake ninja-build libgtest-dev nlohmann-json3-dev \
+           clang-16 libclang-rt-16-dev libomp-16-dev; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then

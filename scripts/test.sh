@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Every test: set up, build, C++ tests on every CPU kernel variant, the random
-# check against the reference, and the Python tests.
+# check against the reference, the Python tests, then the C++ tests again under
+# AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/) and a 60-second
+# libFuzzer run of the C ABI (build-fuzz/). Any sanitizer report fails the run.
+# ATTNRES_BUILD_JOBS sets -j of the sanitizer and fuzz builds (default: all
+# cores); ATTNRES_FUZZ_SECONDS the length of the fuzz run (default 60).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -17,3 +21,13 @@ for isa in avx512 avx2 baseline; do
 done
 echo "== Python tests"
 python3 -m pytest -q tests/python
+echo "== C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DATTNRES_SANITIZE=ON \
+  -DATTNRES_CUDA=OFF -DATTNRES_BUILD_TOOLS=OFF >/dev/null
+cmake --build build-asan -j"${ATTNRES_BUILD_JOBS:-$(nproc)}"
+# -fno-sanitize-recover=all makes every UBSan report fatal; ASan reports always are.
+ASAN_OPTIONS=detect_leaks=1 \
+  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ./build-asan/attnres_tests --gtest_brief=1
+echo "== libFuzzer run of the C ABI"
+bash scripts/fuzz.sh "${ATTNRES_FUZZ_SECONDS:-60}"

@@ -135,9 +135,13 @@ void ValidateCommon(Validator& v, const attnres_params* p) {
           "present");
   v.Check(p->num_tokens >= 0, ATTNRES_ERROR_INVALID_ARGUMENT, "num_tokens must be >= 0, got ",
           p->num_tokens);
-  v.Check(p->dim >= 1, ATTNRES_ERROR_INVALID_ARGUMENT, "dim must be >= 1, got ", p->dim);
-  v.Check(p->num_blocks >= 0, ATTNRES_ERROR_INVALID_ARGUMENT, "num_blocks must be >= 0, got ",
-          p->num_blocks);
+  // Bounds that keep every size the backends derive (padded rows, scratch of a
+  // tile times L) inside int64; no buffer that large can exist anyway.
+  constexpr int64_t kMaxDim = int64_t{1} << 48, kMaxBlocks = int64_t{1} << 40;
+  v.Check(p->dim >= 1 && p->dim <= kMaxDim, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "dim must be in [1, 2^48], got ", p->dim);
+  v.Check(p->num_blocks >= 0 && p->num_blocks <= kMaxBlocks, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "num_blocks must be in [0, 2^40], got ", p->num_blocks);
   v.Check(NumSources(*p) >= 1, ATTNRES_ERROR_INVALID_ARGUMENT,
           "at least one source is needed (num_blocks >= 1 or a partial block), got num_blocks = ",
           p->num_blocks, " and no partial block");

@@ -188,7 +188,8 @@ def _sources(blocks, partial, proj_weight, gamma) -> Tuple[List[torch.Tensor], i
     dim = shape[-1]
     named_vectors = (("proj_weight", proj_weight), ("gamma", gamma))
     for t in sources + [v for _, v in named_vectors if v is not None]:
-        if t.dtype is not dtype or not (t.is_cpu if on_cpu else t.device == device):
+        if (t.dtype is not dtype or t.layout is not torch.strided
+                or not (t.is_cpu if on_cpu else t.device == device)):
             break
     else:
         if all(t.shape == shape for t in sources) and proj_weight.shape == (dim,) and (
@@ -197,6 +198,8 @@ def _sources(blocks, partial, proj_weight, gamma) -> Tuple[List[torch.Tensor], i
     # Something is off: find the first culprit for the message.
     names = [f"blocks[{i}]" for i in range(len(blocks))] + (["partial"] if partial is not None else [])
     for name, t in list(zip(names, sources)) + [nv for nv in named_vectors if nv[1] is not None]:
+        if t.layout is not torch.strided:
+            raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
         if t.dtype is not dtype:
             raise ValueError(f"{name} dtype must be {dtype} (all inputs share one dtype), got {t.dtype}")
         if t.device != device:
@@ -287,14 +290,18 @@ def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
     num_sources = len(sources)
     tokens = first.numel() // dim if dim else 0
     device, stream = _stream_and_device(first)
-    if grad_out.shape != first.shape or grad_out.dtype != dtype or grad_out.device != first.device:
-        raise ValueError(f"grad_out must be {tuple(first.shape)} {dtype} on {first.device}, got "
-                         f"{tuple(grad_out.shape)} {grad_out.dtype} on {grad_out.device}")
+    if (grad_out.shape != first.shape or grad_out.dtype != dtype
+            or grad_out.device != first.device or grad_out.layout is not torch.strided):
+        raise ValueError(f"grad_out must be a dense {tuple(first.shape)} {dtype} tensor on "
+                         f"{first.device}, got {grad_out.layout} {tuple(grad_out.shape)} "
+                         f"{grad_out.dtype} on {grad_out.device}")
     (grad_out,), grad_stride = _rows([grad_out], dim)
     acc = accumulation_dtype(dtype)
     caches = []
     for name, cache in (("rms_cache", rms_cache if rmsnorm else None), ("alpha_cache", alpha_cache)):
         if cache is not None:
+            if cache.layout is not torch.strided:
+                raise ValueError(f"{name} must be a dense (strided) tensor, got {cache.layout}")
             if cache.numel() != tokens * num_sources:
                 raise ValueError(f"{name} must hold {lead + (num_sources,)} values, got shape "
                                  f"{tuple(cache.shape)}")

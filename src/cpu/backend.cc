@@ -7,6 +7,9 @@
 // rows are then added in chunk order. So dw = gamma * U and dgamma = w * U are
 // bitwise identical for any number of threads, with no atomics.
 #include <omp.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -33,21 +36,37 @@ constexpr int64_t kMaxTileTokens = 64;
 // Tokens per backward chunk (one row of U partials each); a multiple of the tile.
 constexpr int64_t kChunkTokens = 256;
 
-bool CpuHas(const char* feature) {
 #if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  if (std::strcmp(feature, "avx512") == 0) {
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx2") &&
-           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  }
-  if (std::strcmp(feature, "avx2") == 0) {
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
-  }
+// What the CPU and the OS (saved register state, via xgetbv) support, from cpuid
+// directly: GCC's and clang's __builtin_cpu_supports disagree on feature names.
+struct X86Features {
+  bool avx2 = false, avx512 = false;
+};
+
+X86Features DetectX86() {
+  X86Features f;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool fma = c & bit_FMA, f16c = c & bit_F16C, osxsave = c & bit_OSXSAVE;
+  if (!osxsave || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
+  unsigned xcr0_lo = 0, xcr0_hi = 0;
+  __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  const bool os_ymm = (xcr0_lo & 0x6) == 0x6;      // SSE and AVX state
+  const bool os_zmm = (xcr0_lo & 0xE6) == 0xE6;    // plus opmask and ZMM state
+  f.avx2 = os_ymm && fma && f16c && (b & bit_AVX2) && (b & bit_BMI2);
+  f.avx512 = f.avx2 && os_zmm && (b & bit_AVX512F) && (b & bit_AVX512BW) &&
+             (b & bit_AVX512DQ) && (b & bit_AVX512VL) && (b & bit_AVX512CD);
+  return f;
+}
 #endif
-  return std::strcmp(feature, "baseline") == 0;
+
+bool CpuHas(const char* isa) {
+#if defined(__x86_64__) || defined(__i386__)
+  static const X86Features features = DetectX86();
+  if (std::strcmp(isa, "avx512") == 0) return features.avx512;
+  if (std::strcmp(isa, "avx2") == 0) return features.avx2;
+#endif
+  return std::strcmp(isa, "baseline") == 0;
 }
 
 // Compiled-in variants, best first.
@@ -212,7 +231,7 @@ class Call {
     const int64_t elems = padded + threads * per_thread_ + chunks * padded;
     base_ = static_cast<char*>(ThreadArena(elems * acc_bytes_));
     if (base_ == nullptr) {
-      return Fail(ATTNRES_ERROR_OUT_OF_MEMORY, "could not allocate " +
+      return Fail(ATTNRES_ERROR_OUT_OF_MEMORY, "attnres: could not allocate " +
                                                    std::to_string(elems * acc_bytes_) +
                                                    " bytes of scratch");
     }
