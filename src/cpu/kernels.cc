@@ -145,6 +145,16 @@ struct Row {
   static V LoadA(const A* p) { V v; std::memcpy(&v, p, sizeof(v)); return v; }
   static void StoreA(A* p, V v) { std::memcpy(p, &v, sizeof(v)); }
 
+  // step(d, n) for every vector of a row: whole vectors (n == kLanes, a constant
+  // once inlined, so Load/Store lose their tail test and the loop keeps its
+  // broadcasts in registers), then the partial last vector if there is one.
+  template <typename Step>
+  static void ForEachVector(int64_t dim, const Step& step) {
+    int64_t d = 0;
+    for (; d + kLanes <= dim; d += kLanes) step(d, kLanes);
+    if (d < dim) step(d, dim - d);
+  }
+
   // Lanes summed in a fixed order: results do not depend on anything but the ISA.
   static A Sum(V v) {
     A s = 0;
@@ -184,8 +194,8 @@ struct Row {
   template <bool kInit, bool kRescale>
   [[gnu::noinline]] static void Accumulate(A* acc, const T* x, A c, A p, int64_t dim) {
     const V vc = V{} + c, vp = V{} + p;
-    for (int64_t d = 0; d < dim; d += kLanes) {
-      const V xv = Load(x + d, dim - d);
+    ForEachVector(dim, [&](int64_t d, int64_t n) {
+      const V xv = Load(x + d, n);
       if (kInit) {
         StoreA(acc + d, xv);
       } else if (kRescale) {
@@ -193,16 +203,16 @@ struct Row {
       } else {
         StoreA(acc + d, LoadA(acc + d) + vp * xv);
       }
-    }
+    });
   }
 
   static void StoreScaled(T* out, const A* acc, A factor, int64_t dim) {
     const V vf = V{} + factor;
-    for (int64_t d = 0; d < dim; d += kLanes) Store(out + d, LoadA(acc + d) * vf, dim - d);
+    ForEachVector(dim, [&](int64_t d, int64_t n) { Store(out + d, LoadA(acc + d) * vf, n); });
   }
 
   static void Widen(A* dst, const T* src, int64_t dim) {
-    for (int64_t d = 0; d < dim; d += kLanes) StoreA(dst + d, Load(src + d, dim - d));
+    ForEachVector(dim, [&](int64_t d, int64_t n) { StoreA(dst + d, Load(src + d, n)); });
   }
 
   // dv = alpha g + a wg + b x (if kWrite), u += a x (if kAccumulateU).
@@ -210,11 +220,11 @@ struct Row {
   [[gnu::noinline]] static void SourceGrad(T* dv, const T* x, const A* g, const A* wg, A alpha, A a, A b,
                          A* u, int64_t dim) {
     const V valpha = V{} + alpha, va = V{} + a, vb = V{} + b;
-    for (int64_t d = 0; d < dim; d += kLanes) {
-      const V xv = Load(x + d, dim - d);
-      if (kWrite) Store(dv + d, valpha * LoadA(g + d) + va * LoadA(wg + d) + vb * xv, dim - d);
+    ForEachVector(dim, [&](int64_t d, int64_t n) {
+      const V xv = Load(x + d, n);
+      if (kWrite) Store(dv + d, valpha * LoadA(g + d) + va * LoadA(wg + d) + vb * xv, n);
       if (kAccumulateU) StoreA(u + d, LoadA(u + d) + va * xv);
-    }
+    });
   }
 };
 

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <random>
 #include <sstream>
 
 namespace attnres::harness {
@@ -39,12 +38,6 @@ void WriteElement(char* p, attnres_dtype dtype, double value) {
     }
     case ATTNRES_DTYPE_FLOAT16: { const _Float16 v = _Float16(value); std::memcpy(p, &v, 2); return; }
   }
-}
-
-double RoundTo(double value, attnres_dtype dtype) {
-  char buf[8];
-  WriteElement(buf, dtype, value);
-  return ReadElement(buf, dtype);
 }
 
 double RelativeError(const std::vector<double>& got, const std::vector<double>& want) {
@@ -111,33 +104,48 @@ int64_t ElementBytes(attnres_dtype dtype) {
   return dtype == ATTNRES_DTYPE_FLOAT64 ? 8 : dtype == ATTNRES_DTYPE_FLOAT32 ? 4 : 2;
 }
 
-Case::Case(const CaseSpec& spec) : spec_(spec), stride_(spec.dim + spec.row_padding) {
-  std::mt19937_64 rng(spec.seed);
-  std::normal_distribution<double> normal(0.0, 1.0);
-  const int64_t T = spec.tokens, D = spec.dim, L = spec.num_sources();
-  auto random_vector = [&](int64_t n, double mean, double sd) {
-    std::vector<double> v(n);
-    for (double& x : v) x = RoundTo(mean + sd * normal(rng), spec.dtype);
-    return v;
-  };
-  problem_.tokens = T;
-  problem_.dim = D;
-  problem_.num_blocks = spec.num_blocks;
-  problem_.has_partial = spec.partial;
-  problem_.rmsnorm = spec.rmsnorm;
-  problem_.scale = spec.scale;
-  problem_.eps = spec.eps;
-  for (int64_t i = 0; i < L; ++i) problem_.sources.push_back(random_vector(T * D, 0.0, 1.0));
-  // |z| ~ logit_magnitude: dot(w, k) with k ~ unit-rms has sd sqrt(D) * sd(w).
-  problem_.w = random_vector(D, 0.0, spec.logit_magnitude / std::sqrt(double(D)));
-  problem_.gamma = random_vector(D, 1.0, 0.2);
-  grad_out_values_ = random_vector(T * D, 0.0, 1.0);
+namespace {
 
-  for (const auto& s : problem_.sources) sources_.push_back(Pack(s, T, D, stride_));
-  w_ = Pack(problem_.w, 1, D, D);
-  gamma_ = Pack(problem_.gamma, 1, D, D);
-  grad_out_ = Pack(grad_out_values_, T, D, stride_);
+// splitmix64: fast enough to fill gigabytes for the benchmarks, and reproducible.
+class Random {
+ public:
+  explicit Random(uint64_t seed) : state_(seed) {}
+  // Uniform with mean `mean` and standard deviation `sd`.
+  double Next(double mean, double sd) {
+    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const double unit = double(z >> 11) * 0x1.0p-53;  // [0, 1)
+    return mean + sd * std::sqrt(3.0) * (2 * unit - 1);
+  }
+
+ private:
+  uint64_t state_;
+};
+
+}  // namespace
+
+Case::Case(const CaseSpec& spec) : spec_(spec), stride_(spec.dim + spec.row_padding) {
+  const int64_t T = spec.tokens, D = spec.dim, L = spec.num_sources();
   const int64_t elem = ElementBytes(spec.dtype);
+  uint64_t stream = 0;  // each buffer its own reproducible stream
+  auto random_rows = [&](int64_t rows, int64_t cols, int64_t stride, double mean, double sd) {
+    Random rng(spec.seed * 1000003 + stream++);
+    std::vector<char> bytes(std::max<int64_t>(1, rows * stride * elem), 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        WriteElement(bytes.data() + (r * stride + c) * elem, spec.dtype, rng.Next(mean, sd));
+      }
+    }
+    return bytes;
+  };
+  for (int64_t i = 0; i < L; ++i) sources_.push_back(random_rows(T, D, stride_, 0.0, 1.0));
+  // |z| ~ logit_magnitude: dot(w, k) with k ~ unit-rms has sd sqrt(D) * sd(w).
+  w_ = random_rows(1, D, D, 0.0, spec.logit_magnitude / std::sqrt(double(D)));
+  gamma_ = random_rows(1, D, D, 1.0, 0.2);
+  grad_out_ = random_rows(T, D, stride_, 0.0, 1.0);
+
   const int64_t acc = spec.dtype == ATTNRES_DTYPE_FLOAT64 ? 8 : 4;
   const int64_t row_bytes = std::max<int64_t>(1, T * stride_ * elem);
   out_.assign(row_bytes, 0);
@@ -152,16 +160,20 @@ Case::Case(const CaseSpec& spec) : spec_(spec), stride_(spec.dim + spec.row_padd
   }
 }
 
-std::vector<char> Case::Pack(const std::vector<double>& values, int64_t rows, int64_t cols,
-                             int64_t stride) const {
-  const int64_t elem = ElementBytes(spec_.dtype);
-  std::vector<char> bytes(std::max<int64_t>(1, rows * stride * elem), 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      WriteElement(bytes.data() + (r * stride + c) * elem, spec_.dtype, values[r * cols + c]);
-    }
-  }
-  return bytes;
+ref::Problem Case::Problem() const {
+  const int64_t T = spec_.tokens, D = spec_.dim;
+  ref::Problem problem;
+  problem.tokens = T;
+  problem.dim = D;
+  problem.num_blocks = spec_.num_blocks;
+  problem.has_partial = spec_.partial;
+  problem.rmsnorm = spec_.rmsnorm;
+  problem.scale = spec_.scale;
+  problem.eps = spec_.eps;
+  for (const auto& s : sources_) problem.sources.push_back(Unpack(s, T, D, stride_));
+  problem.w = Unpack(w_, 1, D, D);
+  problem.gamma = Unpack(gamma_, 1, D, D);
+  return problem;
 }
 
 std::vector<double> Case::Unpack(const std::vector<char>& bytes, int64_t rows, int64_t cols,
@@ -224,8 +236,9 @@ attnres_status Case::Backward() {
 
 Errors Case::Compare() const {
   const int64_t T = spec_.tokens, D = spec_.dim, L = spec_.num_sources();
-  const ref::ForwardResult fwd = ref::Forward(problem_);
-  const ref::BackwardResult bwd = ref::Backward(problem_, grad_out_values_);
+  const ref::Problem problem = Problem();
+  const ref::ForwardResult fwd = ref::Forward(problem);
+  const ref::BackwardResult bwd = ref::Backward(problem, Unpack(grad_out_, T, D, stride_));
   auto unpack_acc = [&](const std::vector<char>& bytes) {
     std::vector<double> v(T * L);
     for (int64_t k = 0; k < T * L; ++k) {

@@ -1,5 +1,5 @@
 // A case runner shared by the command-line tool and the benchmarks: builds a
-// random problem in a given dtype (one allocation per block, optional padded
+// random problem (uniform values, reproducible from the seed) in a given dtype (one allocation per block, optional padded
 // rows), runs it through the C ABI, and measures the error against the float64
 // reference.
 #ifndef ATTNRES_SRC_REF_HARNESS_H_
@@ -51,8 +51,9 @@ class Case {
  public:
   explicit Case(const CaseSpec& spec);
 
-  // The problem as the reference sees it: the dtype-rounded inputs in float64.
-  const ref::Problem& problem() const { return problem_; }
+  // The problem as the reference sees it: the dtype-rounded inputs in float64
+  // (built on demand: the benchmarks' cases would not fit twice in memory).
+  ref::Problem Problem() const;
   const CaseSpec& spec() const { return spec_; }
 
   attnres_status Forward();   // writes out + both caches
@@ -63,14 +64,10 @@ class Case {
   Errors Compare() const;  // runs the reference; call after Forward() and Backward()
 
  private:
-  std::vector<char> Pack(const std::vector<double>& values, int64_t rows, int64_t cols,
-                         int64_t stride) const;
   std::vector<double> Unpack(const std::vector<char>& bytes, int64_t rows, int64_t cols,
                              int64_t stride) const;
 
   CaseSpec spec_;
-  ref::Problem problem_;
-  std::vector<double> grad_out_values_;
   int64_t stride_;
   std::vector<std::vector<char>> sources_, grad_sources_;
   std::vector<char> w_, gamma_, out_, grad_out_, grad_w_, grad_gamma_;
