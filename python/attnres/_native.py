@@ -110,6 +110,17 @@ def cuda_available() -> bool:
     return bool(_lib.attnres_cuda_available())
 
 
+_POINTER_ARRAYS = {}  # n -> ctypes type of n pointers; building a type costs ~1 us
+
+
+def _pointers(addresses: List[Optional[int]]):
+    n = max(1, len(addresses))
+    array_type = _POINTER_ARRAYS.get(n)
+    if array_type is None:
+        array_type = _POINTER_ARRAYS[n] = ctypes.c_void_p * n
+    return array_type(*addresses)
+
+
 def _check(status: int) -> None:
     if status != 0:
         message = _lib.attnres_last_error().decode()
@@ -256,7 +267,7 @@ def forward(blocks: Sequence[torch.Tensor], partial: Optional[torch.Tensor],
         return out, rms, alpha
 
     num_blocks = len(blocks)
-    block_ptrs = (ctypes.c_void_p * max(1, num_blocks))(*[s.data_ptr() for s in sources[:num_blocks]])
+    block_ptrs = _pointers([s.data_ptr() for s in sources[:num_blocks]])
     # Positional, in _Params._fields_ order: a third cheaper than keywords.
     p = _Params(_ABI_VERSION, tokens, dim, num_blocks, _DTYPES[dtype], device, stream,
                 block_ptrs, sources[-1].data_ptr() if partial is not None else None, stride,
@@ -329,8 +340,8 @@ def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
     def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
         return t.data_ptr() if t is not None else None
 
-    block_ptrs = (ctypes.c_void_p * max(1, num_blocks))(*[s.data_ptr() for s in sources[:num_blocks]])
-    grad_ptrs = (ctypes.c_void_p * max(1, num_blocks))(*[ptr(g) for g in grad_blocks])
+    block_ptrs = _pointers([s.data_ptr() for s in sources[:num_blocks]])
+    grad_ptrs = _pointers([ptr(g) for g in grad_blocks])
     p = _Params(
         abi_version=_ABI_VERSION, num_tokens=tokens, dim=dim, num_blocks=num_blocks,
         dtype=_DTYPES[dtype], device=device, stream=stream, blocks=block_ptrs,

@@ -33,15 +33,23 @@ def _check_block_list(blocks, who: str):
         raise ValueError(f"blocks must be a list of tensors, got {type(blocks).__name__}")
     if len(blocks) == 0:
         raise ValueError("blocks must not be empty")
-    for i, block in enumerate(blocks):
-        if not isinstance(block, torch.Tensor):
-            raise ValueError(f"blocks[{i}] must be a torch.Tensor, got {type(block).__name__}")
+    if not isinstance(blocks[0], torch.Tensor):
+        raise ValueError(f"blocks[0] must be a torch.Tensor, got {type(blocks[0]).__name__}")
     if blocks[0].dim() != 3:
         raise ValueError(f"blocks[0] must be 3-D [B, T, D], got shape {tuple(blocks[0].shape)}")
     if blocks[0].dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         raise ValueError(f"blocks[0] dtype must be bfloat16, float16, float32 or float64, "
                          f"got {blocks[0].dtype}")
     return tuple(blocks[0].shape), blocks[0].dtype, blocks[0].device
+
+
+def _check_blocks(blocks, shape, dtype, device):
+    """Every block against blocks[0]; the per-call cost that grows with N, so the
+    message (and its f-string) is only built for a block that fails."""
+    for i, block in enumerate(blocks):
+        if not (isinstance(block, torch.Tensor) and block.shape == shape
+                and block.dtype is dtype and block.device == device):
+            _check_tensor(block, f"blocks[{i}]", shape, dtype, device)
 
 
 def _check_tensor(t, name: str, shape, dtype, device):
@@ -87,8 +95,7 @@ def block_attn_res(
     n = len(blocks)
     if n < 1 or n > _SEED_MAX_BLOCKS:
         raise ValueError(f"N (number of blocks) must be in [1, {_SEED_MAX_BLOCKS}], got {n}")
-    for i, block in enumerate(blocks):
-        _check_tensor(block, f"blocks[{i}]", (b, t, d), dtype, device)
+    _check_blocks(blocks, (b, t, d), dtype, device)
     if partial_block is not None:
         _check_tensor(partial_block, "partial_block", (b, t, d), dtype, device)
     _check_tensor(proj_weight, "proj_weight", (d,), dtype, device)
@@ -148,8 +155,7 @@ def block_attn_res_backward(
     has_partial = partial_block is not None
     num_sources = n + 1 if has_partial else n
     _check_tensor(grad_h, "grad_h", (b, t, d), dtype, device)
-    for i, block in enumerate(blocks):
-        _check_tensor(block, f"blocks[{i}]", (b, t, d), dtype, device)
+    _check_blocks(blocks, (b, t, d), dtype, device)
     if has_partial:
         _check_tensor(partial_block, "partial_block", (b, t, d), dtype, device)
     _check_tensor(proj_weight, "proj_weight", (d,), dtype, device)
