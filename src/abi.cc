@@ -16,14 +16,6 @@ namespace {
 
 thread_local std::string g_last_error;
 
-int64_t ElementBytes(int32_t dtype) {
-  switch (dtype) {
-    case ATTNRES_DTYPE_FLOAT64: return 8;
-    case ATTNRES_DTYPE_FLOAT32: return 4;
-    default: return 2;
-  }
-}
-
 // The byte range [begin, end) a buffer spans, with its name for messages.
 struct Span {
   uintptr_t begin, end;
@@ -172,7 +164,7 @@ void ValidateCommon(Validator& v, const attnres_params* p) {
 }
 
 void AddCaches(Validator& v, const attnres_params* p, bool are_outputs) {
-  const int64_t L = NumSources(*p), acc = p->dtype == ATTNRES_DTYPE_FLOAT64 ? 8 : 4;
+  const int64_t L = NumSources(*p), acc = AccumBytes(p->dtype);
   v.AddRows(p->rms_cache, p->num_tokens, L, L, acc, "rms_cache", are_outputs);
   v.AddRows(p->alpha_cache, p->num_tokens, L, L, acc, "alpha_cache", are_outputs);
 }

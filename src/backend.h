@@ -14,6 +14,13 @@ inline int64_t NumSources(const attnres_params& p) {
   return p.num_blocks + (p.partial != nullptr ? 1 : 0);
 }
 
+// Bytes of one element of a dtype, and of the accumulation type (caches,
+// scratch): double for float64, float otherwise.
+inline int64_t ElementBytes(int32_t dtype) {
+  return dtype == ATTNRES_DTYPE_FLOAT64 ? 8 : dtype == ATTNRES_DTYPE_FLOAT32 ? 4 : 2;
+}
+inline int64_t AccumBytes(int32_t dtype) { return dtype == ATTNRES_DTYPE_FLOAT64 ? 8 : 4; }
+
 // Records the message returned by attnres_last_error() on this thread and
 // passes `status` through, so that backends can `return Fail(...)`.
 attnres_status Fail(attnres_status status, const std::string& message);

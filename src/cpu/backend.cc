@@ -124,17 +124,6 @@ int DefaultThreads() {
   return n;
 }
 
-int64_t ElementBytes(int32_t dtype) {
-  switch (dtype) {
-    case ATTNRES_DTYPE_FLOAT64: return 8;
-    case ATTNRES_DTYPE_FLOAT32: return 4;
-    default: return 2;
-  }
-}
-
-// Accumulation type A: double for float64, float otherwise.
-int64_t AccBytes(int32_t dtype) { return dtype == ATTNRES_DTYPE_FLOAT64 ? 8 : 4; }
-
 double LoadScalar(const void* base, int64_t index, int32_t dtype) {
   switch (dtype) {
     case ATTNRES_DTYPE_FLOAT64: return static_cast<const double*>(base)[index];
@@ -198,7 +187,7 @@ class Call {
 
   void Prepare(bool backward) {
     const int32_t dtype = p_.dtype;
-    acc_bytes_ = AccBytes(dtype);
+    acc_bytes_ = AccumBytes(dtype);
     const int64_t lanes = kMaxVectorBytes / acc_bytes_;
     info_.params = &p_;
     info_.num_sources = NumSources(p_);
@@ -217,7 +206,6 @@ class Call {
       }
       if (p_.partial != nullptr) grad_sources_[p_.num_blocks] = p_.grad_partial;
       info_.grad_sources = grad_sources_.data();
-      info_.want_weight_grads = p_.grad_proj_weight != nullptr || p_.grad_gamma != nullptr;
     }
   }
 
@@ -342,7 +330,7 @@ attnres_status CpuBackward(const attnres_params& p) {
   const int64_t tile = call.info().tile_tokens;
   const int64_t num_chunks = (p.num_tokens + cpu::kChunkTokens - 1) / cpu::kChunkTokens;
   const int threads = cpu::ThreadsFor(num_chunks);
-  const bool weight_grads = call.info().want_weight_grads;
+  const bool weight_grads = p.grad_proj_weight != nullptr || p.grad_gamma != nullptr;
   const int64_t u_rows = weight_grads ? num_chunks : 0;
   if (attnres_status s = call.AllocateScratch(threads, u_rows); s != ATTNRES_OK) return s;
   const cpu::TileFn backward = cpu::Table().backward[p.dtype];

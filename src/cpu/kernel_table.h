@@ -24,18 +24,17 @@ struct CallInfo {
   const void* const* sources;  // [L] blocks then partial
   void* const* grad_sources;   // [L] (backward; entries may be null)
   const void* wg;              // A[padded_dim]: w * gamma (w when rmsnorm is off)
-  bool want_weight_grads;      // backward accumulates U = sum a_i * v_i
 };
 
-// Scratch of one thread, in units of A; the dispatcher sizes it with
-// ScratchElements() (backend.cc) and aligns it to 64 bytes.
+// Scratch of one thread, in units of A, 64-byte aligned (Call::AllocateScratch
+// in backend.cc lays it out).
 struct Scratch {
   void* acc;    // [tile, padded_dim]: forward output accumulator / backward grad_out in A
-  void* stats;  // [4, tile, L]: logits z, rms r, alpha, dot(g, v)
-  void* u;      // [padded_dim] (backward): this chunk's share of U, or null
+  void* stats;  // [4, tile, L] + [2, tile]: z, r, alpha, dot(g, v); running max and sum
+  void* u;      // [padded_dim] (backward): this chunk's share of U, or null for no dw/dgamma
 };
 
-// Tokens [begin, end) of one call, end - begin <= chunk size. Forward writes out
+// Tokens [begin, end) of one call, end - begin <= tile_tokens. Forward writes out
 // and the requested caches; backward writes the requested source gradients and
 // adds this range's U to scratch.u (which the caller zeroed).
 using TileFn = void (*)(const CallInfo& info, const Scratch& scratch, int64_t begin,
