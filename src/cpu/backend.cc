@@ -35,6 +35,10 @@ constexpr int64_t kTileRunBytes = 48 * 1024;
 constexpr int64_t kMaxTileTokens = 64;
 // Tokens per backward chunk (one row of U partials each); a multiple of the tile.
 constexpr int64_t kChunkTokens = 256;
+// Outputs larger than this are written with non-temporal stores: they will not be
+// read from cache again, and normal stores would read every line first. Smaller
+// outputs stay in cache for whoever reads them next.
+constexpr int64_t kStreamStoreBytes = 16 << 20;
 
 #if defined(__x86_64__) || defined(__i386__)
 // What the CPU and the OS (saved register state, via xgetbv) support, from cpuid
@@ -196,6 +200,8 @@ class Call {
         std::clamp<int64_t>(kTileRunBytes / (p_.dim * ElementBytes(dtype)), 1, kMaxTileTokens);
     while (kChunkTokens % info_.tile_tokens != 0) --info_.tile_tokens;
 
+    const int64_t row_bytes = p_.num_tokens * p_.dim * ElementBytes(dtype);
+    info_.stream_stores = (backward ? info_.num_sources : 1) * row_bytes > kStreamStoreBytes;
     sources_.assign(p_.blocks, p_.blocks + p_.num_blocks);
     if (p_.partial != nullptr) sources_.push_back(p_.partial);
     info_.sources = sources_.data();

@@ -24,6 +24,7 @@ struct CallInfo {
   const void* const* sources;  // [L] blocks then partial
   void* const* grad_sources;   // [L] (backward; entries may be null)
   const void* wg;              // A[padded_dim]: w * gamma (w when rmsnorm is off)
+  bool stream_stores;          // write out / dv rows with non-temporal stores
 };
 
 // Scratch of one thread, in units of A, 64-byte aligned (Call::AllocateScratch

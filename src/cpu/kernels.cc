@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
@@ -142,6 +142,42 @@ struct Row {
     E::Store(buf, v);
     std::memcpy(p, buf, n * sizeof(T));
   }
+  // Whole-vector store that bypasses the caches (p aligned to kStreamBytes): a
+  // large output is not read again soon, and a normal store would first read
+  // every destination line into the cache (read-for-ownership), a third stream.
+  static constexpr int kStreamBytes = kLanes * sizeof(T);
+  static void StoreStream(T* p, V v) {
+#if defined(__x86_64__)
+    T buf[kLanes];
+    E::Store(buf, v);
+    if constexpr (kStreamBytes == 64) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(p), _mm512_loadu_si512(buf));
+    } else if constexpr (kStreamBytes == 32) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(p),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(buf)));
+    } else if constexpr (kStreamBytes == 16) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(p),
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(buf)));
+    } else {
+      static_assert(kStreamBytes == 8);
+      long long bits;
+      std::memcpy(&bits, buf, sizeof(bits));
+      _mm_stream_si64(reinterpret_cast<long long*>(p), bits);
+    }
+#else
+    E::Store(p, v);
+#endif
+  }
+  static bool Streamable(const T* row) {
+    return reinterpret_cast<uintptr_t>(row) % kStreamBytes == 0;
+  }
+  // Orders this thread's streaming stores before whatever the caller does next.
+  static void FenceStreams() {
+#if defined(__x86_64__)
+    _mm_sfence();
+#endif
+  }
+
   static V LoadA(const A* p) { V v; std::memcpy(&v, p, sizeof(v)); return v; }
   static void StoreA(A* p, V v) { std::memcpy(p, &v, sizeof(v)); }
 
@@ -206,9 +242,17 @@ struct Row {
     });
   }
 
-  static void StoreScaled(T* out, const A* acc, A factor, int64_t dim) {
+  static void StoreScaled(T* out, const A* acc, A factor, int64_t dim, bool stream) {
     const V vf = V{} + factor;
-    ForEachVector(dim, [&](int64_t d, int64_t n) { Store(out + d, LoadA(acc + d) * vf, n); });
+    stream = stream && Streamable(out);
+    ForEachVector(dim, [&](int64_t d, int64_t n) {
+      const V value = LoadA(acc + d) * vf;
+      if (stream && n == kLanes) {
+        StoreStream(out + d, value);
+      } else {
+        Store(out + d, value, n);
+      }
+    });
   }
 
   static void Widen(A* dst, const T* src, int64_t dim) {
@@ -216,13 +260,20 @@ struct Row {
   }
 
   // dv = alpha g + a wg + b x (if kWrite), u += a x (if kAccumulateU).
-  template <bool kWrite, bool kAccumulateU>
-  [[gnu::noinline]] static void SourceGrad(T* dv, const T* x, const A* g, const A* wg, A alpha, A a, A b,
-                         A* u, int64_t dim) {
+  template <bool kWrite, bool kAccumulateU, bool kStream>
+  [[gnu::noinline]] static void SourceGrad(T* dv, const T* x, const A* g, const A* wg, A alpha,
+                                           A a, A b, A* u, int64_t dim) {
     const V valpha = V{} + alpha, va = V{} + a, vb = V{} + b;
     ForEachVector(dim, [&](int64_t d, int64_t n) {
       const V xv = Load(x + d, n);
-      if (kWrite) Store(dv + d, valpha * LoadA(g + d) + va * LoadA(wg + d) + vb * xv, n);
+      if (kWrite) {
+        const V value = valpha * LoadA(g + d) + va * LoadA(wg + d) + vb * xv;
+        if (kStream && n == kLanes) {
+          StoreStream(dv + d, value);
+        } else {
+          Store(dv + d, value, n);
+        }
+      }
       if (kAccumulateU) StoreA(u + d, LoadA(u + d) + va * xv);
     });
   }
@@ -291,7 +342,8 @@ void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin
   for (int64_t j = 0; j < n; ++j) {
     const int64_t t = begin + j;
     const A inv_denom = A(1) / st.denom[j];
-    R::StoreScaled(out + t * p.out_row_stride, acc + j * padded, inv_denom, dim);
+    R::StoreScaled(out + t * p.out_row_stride, acc + j * padded, inv_denom, dim,
+                   info.stream_stores);
     for (int64_t i = 0; i < L; ++i) {
       if (rms_cache != nullptr) rms_cache[t * L + i] = st.r[j * L + i];
       if (alpha_cache != nullptr) {
@@ -299,6 +351,7 @@ void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin
       }
     }
   }
+  if (info.stream_stores) R::FenceStreams();
 }
 
 template <typename T, bool kRmsNorm>
@@ -386,15 +439,25 @@ void BackwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begi
       T* dv = dst != nullptr ? dst + (begin + j) * p.grad_source_row_stride : nullptr;
       const A alpha = st.alpha[j * L + i], a = st.r[j * L + i], b = st.z[j * L + i];
       const A* g_j = g + j * padded;
+      const bool stream = info.stream_stores && dv != nullptr && R::Streamable(dv);
       if (dv != nullptr && u != nullptr) {
-        R::template SourceGrad<true, true>(dv, x, g_j, wg, alpha, a, b, u, dim);
+        if (stream) {
+          R::template SourceGrad<true, true, true>(dv, x, g_j, wg, alpha, a, b, u, dim);
+        } else {
+          R::template SourceGrad<true, true, false>(dv, x, g_j, wg, alpha, a, b, u, dim);
+        }
       } else if (dv != nullptr) {
-        R::template SourceGrad<true, false>(dv, x, g_j, wg, alpha, a, b, u, dim);
+        if (stream) {
+          R::template SourceGrad<true, false, true>(dv, x, g_j, wg, alpha, a, b, u, dim);
+        } else {
+          R::template SourceGrad<true, false, false>(dv, x, g_j, wg, alpha, a, b, u, dim);
+        }
       } else if (u != nullptr) {
-        R::template SourceGrad<false, true>(dv, x, g_j, wg, alpha, a, b, u, dim);
+        R::template SourceGrad<false, true, false>(dv, x, g_j, wg, alpha, a, b, u, dim);
       }
     }
   }
+  if (info.stream_stores) R::FenceStreams();
 }
 
 template <typename T>
