@@ -224,6 +224,15 @@ def _sources(blocks, partial, proj_weight, gamma) -> Tuple[List[torch.Tensor], i
     raise AssertionError("unreachable: a check failed above")
 
 
+def _trusted_sources(blocks, partial) -> Tuple[List[torch.Tensor], int, torch.dtype]:
+    """[*blocks, partial] for a caller that has checked shapes, dtypes, devices and
+    layouts itself (the seed-compatible functions): their checks, not twice."""
+    sources = list(blocks)
+    if partial is not None:
+        sources.append(partial)
+    return sources, sources[0].shape[-1], sources[0].dtype
+
+
 def _check_scalars(scale: float, eps: float) -> None:
     # Checked here too because an empty batch returns before reaching the C ABI.
     if not math.isfinite(scale):
@@ -238,13 +247,15 @@ def _vector(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def forward(blocks: Sequence[torch.Tensor], partial: Optional[torch.Tensor],
             proj_weight: torch.Tensor, gamma: Optional[torch.Tensor], *, scale: float,
-            eps: float, rmsnorm: bool, want_rms: bool = False, want_alpha: bool = False):
+            eps: float, rmsnorm: bool, want_rms: bool = False, want_alpha: bool = False,
+            _validated: bool = False):
     """h = sum_i softmax_i(z) v_i over the sources [*blocks, partial].
 
     Returns (h, rms, alpha): h has the shape and dtype of the sources; rms and
     alpha are [..., L] of the accumulation dtype, or None when not requested.
     """
-    sources, dim, dtype = _sources(blocks, partial, proj_weight, gamma)
+    sources, dim, dtype = (_trusted_sources(blocks, partial) if _validated
+                           else _sources(blocks, partial, proj_weight, gamma))
     _check_scalars(scale, eps)
     if want_rms and not rmsnorm:
         raise ValueError("want_rms=True needs rmsnorm=True (there is no rms to cache)")
@@ -284,7 +295,8 @@ def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
              gamma: Optional[torch.Tensor], *, scale: float, eps: float, rmsnorm: bool,
              rms_cache: Optional[torch.Tensor] = None, alpha_cache: Optional[torch.Tensor] = None,
              need_block_grads: Optional[Sequence[bool]] = None, need_partial_grad: bool = True,
-             need_proj_weight_grad: bool = True, need_gamma_grad: bool = True):
+             need_proj_weight_grad: bool = True, need_gamma_grad: bool = True,
+             _validated: bool = False):
     """Gradients of h = forward(...) given grad_out = dLoss/dh.
 
     The caches are optional: without them the softmax is recomputed in the same
@@ -292,7 +304,8 @@ def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
     (grad_blocks: list of N (tensor or None), grad_partial, grad_proj_weight,
     grad_gamma); grad_gamma is None when rmsnorm is off.
     """
-    sources, dim, dtype = _sources(blocks, partial, proj_weight, gamma)
+    sources, dim, dtype = (_trusted_sources(blocks, partial) if _validated
+                           else _sources(blocks, partial, proj_weight, gamma))
     _check_scalars(scale, eps)
     num_blocks = len(blocks)
     sources, stride = _rows(sources, dim)

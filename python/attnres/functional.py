@@ -48,7 +48,8 @@ def _check_blocks(blocks, shape, dtype, device):
     message (and its f-string) is only built for a block that fails."""
     for i, block in enumerate(blocks):
         if not (isinstance(block, torch.Tensor) and block.shape == shape
-                and block.dtype is dtype and block.device == device):
+                and block.dtype is dtype and block.device == device
+                and block.layout is torch.strided):
             _check_tensor(block, f"blocks[{i}]", shape, dtype, device)
 
 
@@ -61,6 +62,8 @@ def _check_tensor(t, name: str, shape, dtype, device):
         raise ValueError(f"{name} dtype must be {dtype}, but got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name} device must be {device}, but got {t.device}")
+    if t.layout is not torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, but got layout {t.layout}")
 
 
 def block_attn_res(
@@ -112,7 +115,8 @@ def block_attn_res(
 
     out, rms, alpha = _native.forward(
         blocks, partial_block, proj_weight, rmsnorm_gamma, scale=scale, eps=rmsnorm_eps,
-        rmsnorm=enable_rmsnorm, want_rms=rms_out_flag, want_alpha=alpha_out_flag)
+        rmsnorm=enable_rmsnorm, want_rms=rms_out_flag, want_alpha=alpha_out_flag,
+        _validated=True)
     if not (rms_out_flag or alpha_out_flag):
         return out
     results = [out]
@@ -175,7 +179,8 @@ def block_attn_res_backward(
     grad_blocks, grad_partial, grad_w, grad_gamma = _native.backward(
         grad_h, blocks, partial_block, proj_weight, rmsnorm_gamma if enable_rmsnorm else None,
         scale=scale, eps=0.0, rmsnorm=enable_rmsnorm,
-        rms_cache=rms_cache if enable_rmsnorm else None, alpha_cache=alpha_cache)
+        rms_cache=rms_cache if enable_rmsnorm else None, alpha_cache=alpha_cache,
+        _validated=True)
     if enable_rmsnorm:
         return grad_blocks, grad_partial, grad_w, grad_gamma
     return grad_blocks, grad_partial, grad_w
