@@ -21,21 +21,6 @@
 namespace attnres_test {
 namespace {
 
-const attnres_dtype kAllDTypes[] = {ATTNRES_DTYPE_FLOAT32, ATTNRES_DTYPE_FLOAT64,
-                                    ATTNRES_DTYPE_BFLOAT16, ATTNRES_DTYPE_FLOAT16};
-
-bool AllFinite(const std::vector<double>& v) {
-  return std::all_of(v.begin(), v.end(), [](double x) { return std::isfinite(x); });
-}
-
-bool AllNan(const std::vector<double>& v) {
-  return std::all_of(v.begin(), v.end(), [](double x) { return std::isnan(x); });
-}
-
-std::vector<double> Row(const std::vector<double>& v, int64_t t, int64_t width) {
-  return std::vector<double>(v.begin() + t * width, v.begin() + (t + 1) * width);
-}
-
 // ---------------------------------------------------------------------------
 // eps = 0.
 

@@ -19,18 +19,6 @@
 namespace attnres_test {
 namespace {
 
-const attnres_dtype kAllDTypes[] = {ATTNRES_DTYPE_FLOAT32, ATTNRES_DTYPE_FLOAT64,
-                                    ATTNRES_DTYPE_BFLOAT16, ATTNRES_DTYPE_FLOAT16};
-
-bool AllFinite(const std::vector<double>& v) {
-  return std::all_of(v.begin(), v.end(), [](double x) { return std::isfinite(x); });
-}
-
-// Row t of a [tokens, dim] tensor.
-std::vector<double> Row(const std::vector<double>& v, int64_t t, int64_t dim) {
-  return std::vector<double>(v.begin() + t * dim, v.begin() + (t + 1) * dim);
-}
-
 // ---------------------------------------------------------------------------
 // Non-finite inputs stay in their tokens.
 

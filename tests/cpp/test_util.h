@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -212,6 +214,23 @@ void ForEachIsa(const std::function<void(const std::string& isa)>& body);
 
 // Bitwise equality of two double vectors (NaNs with equal payloads compare equal).
 bool BitwiseEqual(const std::vector<double>& a, const std::vector<double>& b);
+
+// Every dtype of the ABI.
+inline constexpr attnres_dtype kAllDTypes[] = {ATTNRES_DTYPE_FLOAT32, ATTNRES_DTYPE_FLOAT64,
+                                               ATTNRES_DTYPE_BFLOAT16, ATTNRES_DTYPE_FLOAT16};
+
+inline bool AllFinite(const std::vector<double>& v) {
+  return std::all_of(v.begin(), v.end(), [](double x) { return std::isfinite(x); });
+}
+
+inline bool AllNan(const std::vector<double>& v) {
+  return std::all_of(v.begin(), v.end(), [](double x) { return std::isnan(x); });
+}
+
+// Row t of a [rows, width] tensor.
+inline std::vector<double> Row(const std::vector<double>& v, int64_t t, int64_t width) {
+  return std::vector<double>(v.begin() + t * width, v.begin() + (t + 1) * width);
+}
 
 }  // namespace attnres_test
 
