@@ -8,6 +8,9 @@ cmake --build build -j"$(nproc)"
 # The wheel builds the CUDA backend too when nvcc is found; ATTNRES_WHEEL_CUDA=OFF
 # skips that second CUDA compile (CI: the CMake build above already compiles and
 # links it, and there is no GPU to route tensors to).
-python3 -m pip install -q --no-build-isolation \
-  -C cmake.define.ATTNRES_CUDA="${ATTNRES_WHEEL_CUDA:-ON}" . 2>&1 | grep -v -i "warning" || true
+if ! log=$(python3 -m pip install -q --no-build-isolation \
+    -C cmake.define.ATTNRES_CUDA="${ATTNRES_WHEEL_CUDA:-ON}" . 2>&1); then
+  echo "$log"
+  exit 1
+fi
 python3 -c "import attnres" # fails loudly if the install did not work
