@@ -72,7 +72,7 @@ def _check_inputs(blocks: Sequence[Tensor], partial: Optional[Tensor], w: Tensor
     dtype, device, shape = first.dtype, first.device, first.shape
     dim = shape[-1]
 
-    def check_source(name: str, t: object) -> None:
+    def check(name: str, t: object, expected_shape, whose: str) -> None:
         if not isinstance(t, Tensor):
             raise ValueError(f"block_attn_res: {name} must be a torch.Tensor, got "
                              f"{type(t).__name__}")
@@ -84,34 +84,18 @@ def _check_inputs(blocks: Sequence[Tensor], partial: Optional[Tensor], w: Tensor
         if t.device != device:
             raise ValueError(f"block_attn_res: {name} is on device {t.device}, expected {device} "
                              f"(the device of {first_name})")
-        if t.shape != shape:
+        if tuple(t.shape) != tuple(expected_shape):
             raise ValueError(f"block_attn_res: {name} has shape {tuple(t.shape)}, expected "
-                             f"{tuple(shape)} (the shape of {first_name})")
+                             f"{tuple(expected_shape)} ({whose})")
 
     for i in range(1, len(blocks)):
-        check_source(f"blocks[{i}]", blocks[i])
+        check(f"blocks[{i}]", blocks[i], shape, f"the shape of {first_name}")
     if partial is not None:
-        check_source("partial", partial)
-
-    def check_vector(name: str, t: object) -> None:
-        if not isinstance(t, Tensor):
-            raise ValueError(f"block_attn_res: {name} must be a torch.Tensor, got "
-                             f"{type(t).__name__}")
-        if t.dtype != dtype:
-            raise ValueError(
-                f"block_attn_res: {name} has dtype {t.dtype}, expected {dtype} (the dtype of "
-                f"{first_name}); all inputs must share one dtype (the op does not cast, also not "
-                f"under torch.autocast)")
-        if t.device != device:
-            raise ValueError(f"block_attn_res: {name} is on device {t.device}, expected {device} "
-                             f"(the device of {first_name})")
-        if t.shape != (dim,):
-            raise ValueError(f"block_attn_res: {name} has shape {tuple(t.shape)}, expected "
-                             f"({dim},) (D, the last dimension of {first_name})")
-
-    check_vector("w", w)
+        check("partial", partial, shape, f"the shape of {first_name}")
+    vector_note = f"D, the last dimension of {first_name}"
+    check("w", w, (dim,), vector_note)
     if gamma is not None:
-        check_vector("gamma", gamma)
+        check("gamma", gamma, (dim,), vector_note)
 
 
 # ---------------------------------------------------------------------------------

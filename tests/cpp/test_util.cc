@@ -1,5 +1,7 @@
 #include "test_util.h"
 
+#include "ref/harness.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -86,15 +88,7 @@ size_t DTypeSize(attnres_dtype dtype) {
   return 0;
 }
 
-const char* DTypeName(attnres_dtype dtype) {
-  switch (dtype) {
-    case ATTNRES_DTYPE_FLOAT32: return "f32";
-    case ATTNRES_DTYPE_FLOAT64: return "f64";
-    case ATTNRES_DTYPE_BFLOAT16: return "bf16";
-    case ATTNRES_DTYPE_FLOAT16: return "f16";
-  }
-  return "?";
-}
+const char* DTypeName(attnres_dtype dtype) { return attnres::harness::DtypeName(dtype); }
 
 double RoundToDType(double x, attnres_dtype dtype) {
   switch (dtype) {
