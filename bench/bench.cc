@@ -31,49 +31,78 @@ namespace {
 using harness::Case;
 using harness::CaseSpec;
 
-double MedianMs(const std::function<void()>& fn, int repeat, bool warm_up = true) {
-  if (warm_up) fn();  // page faults, caches
-  std::vector<double> ms;
-  for (int r = 0; r < repeat; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                     .count());
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double TimeMs(const std::function<void()>& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // Streaming bandwidth with the same threads as the kernels, over buffers far
-// larger than the caches.
-struct Bandwidth {
-  double read_gbs = 0, copy_gbs = 0;
+// larger than the caches. This VM's bandwidth drifts by 2x within minutes, so a
+// stream pass is timed next to every kernel run (see Paired), never once per run.
+class Streams {
+ public:
+  static constexpr int64_t kWords = int64_t{1} << 27;  // 1 GiB per buffer
+  static constexpr double kBytes = double(kWords) * sizeof(uint64_t);
+
+  Streams() : a_(new uint64_t[kWords]), b_(new uint64_t[kWords]) {
+#pragma omp parallel for schedule(static)
+    for (int64_t k = 0; k < kWords; ++k) {
+      a_[k] = uint64_t(k);
+      b_[k] = 0;
+    }
+  }
+
+  // One read-only pass: an integer sum, which the compiler vectorises (a float
+  // sum would be one dependent add per element and measure the adder).
+  double ReadGbs(int threads) {
+    uint64_t total = 0;
+    const double ms = TimeMs([&] {
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : total)
+      for (int64_t k = 0; k < kWords; ++k) total += a_[k];
+    });
+    sink_ = total;
+    return kBytes / ms / 1e6;
+  }
+  // One copy: 1 GiB read + 1 GiB written, counted as 2 GiB.
+  double CopyGbs(int threads) {
+    const double ms = TimeMs([&] {
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int64_t k = 0; k < kWords; ++k) b_[k] = a_[k];
+    });
+    return 2 * kBytes / ms / 1e6;
+  }
+
+ private:
+  std::unique_ptr<uint64_t[]> a_, b_;
+  volatile uint64_t sink_ = 0;
 };
 
-Bandwidth MeasureBandwidth(int threads, int repeat) {
-  const int64_t n = int64_t{1} << 27;  // 1 GiB per buffer
-  std::unique_ptr<uint64_t[]> a(new uint64_t[n]), b(new uint64_t[n]);
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t k = 0; k < n; ++k) {
-    a[k] = uint64_t(k);
-    b[k] = 0;
+// A kernel timed `repeat` times after a warm-up (page faults, caches), each run
+// right after one stream pass. Its fraction of the bandwidth is the median of the
+// per-pair ratios, so a drift of the machine's bandwidth between shapes, or
+// during one, does not show up as a change in the kernel.
+struct Paired {
+  double ms = 0;          // median kernel time
+  double stream_gbs = 0;  // median stream bandwidth
+  double fraction = 0;    // median of (kernel GB/s / adjacent stream GB/s)
+};
+
+Paired TimePaired(const std::function<void()>& kernel, double kernel_bytes,
+                  const std::function<double()>& stream_gbs, int repeat) {
+  kernel();
+  std::vector<double> ms, gbs, fractions;
+  for (int r = 0; r < repeat; ++r) {
+    gbs.push_back(stream_gbs());
+    ms.push_back(TimeMs(kernel));
+    fractions.push_back(kernel_bytes / ms.back() / 1e6 / gbs.back());
   }
-  // Integer sums: the compiler vectorises them (a float sum would be one
-  // dependent add per element and measure the adder, not the memory).
-  volatile uint64_t sink = 0;
-  const double read_ms = MedianMs([&] {
-    uint64_t total = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : total)
-    for (int64_t k = 0; k < n; ++k) total += a[k];
-    sink = total;
-  }, repeat);
-  const double copy_ms = MedianMs([&] {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t k = 0; k < n; ++k) b[k] = a[k];
-  }, repeat);
-  (void)sink;
-  const double bytes = double(n) * sizeof(uint64_t);
-  return {bytes / read_ms / 1e6, 2 * bytes / copy_ms / 1e6};
+  return {Median(ms), Median(gbs), Median(fractions)};
 }
 
 // ---- The seed's structure, in plain C++ (fp32 compute) -------------------------
@@ -231,25 +260,44 @@ void RunSeedStructure(const attnres_params& p, bool backward, int threads) {
 
 struct Row {
   CaseSpec spec;
-  double fwd_ms = 0, bwd_ms = 0, fwd_bytes = 0, bwd_bytes = 0;
+  double fwd_bytes = 0, bwd_bytes = 0;
+  Paired fwd, bwd;                          // against the read and the copy stream
   double seed_fwd_ms = 0, seed_bwd_ms = 0;  // 0: not run
 };
 
+// Median over `repeat` back-to-back pairs of slow() / fast(), each timed once:
+// a ratio of two neighbours, like Paired's fractions.
+double PairedRatio(const std::function<double()>& slow, const std::function<double()>& fast,
+                   int repeat) {
+  slow();
+  fast();
+  std::vector<double> ratios;
+  for (int r = 0; r < repeat; ++r) ratios.push_back(slow() / fast());
+  return Median(ratios);
+}
+
 }  // namespace
 
-int Main(bool json, bool quick, int threads, int repeat) {
-  if (threads > 0) attnres_set_num_threads(threads);
-  threads = attnres_get_num_threads();
-  repeat = std::max(1, repeat);
-  const Bandwidth bw = MeasureBandwidth(threads, repeat);
+int Main(const Options& options) {
+  if (options.threads > 0) attnres_set_num_threads(options.threads);
+  const int threads = attnres_get_num_threads();
+  const int repeat = std::max(1, options.repeat);
+  const bool json = options.json;
+  Streams streams;
+  auto read_gbs = [&] { return streams.ReadGbs(threads); };
+  auto copy_gbs = [&] { return streams.CopyGbs(threads); };
 
   std::vector<int64_t> dims = {512, 1536, 4096}, sources = {4, 9, 17, 33, 128},
                        token_counts = {4096, 65536};
   std::vector<attnres_dtype> dtypes = {ATTNRES_DTYPE_BFLOAT16, ATTNRES_DTYPE_FLOAT32};
-  if (quick) {
+  if (options.quick || options.headline) {
     dims = {1536};
     sources = {4, 17, 33};
     token_counts = {65536};
+  }
+  if (options.headline) {
+    sources = {17};
+    dtypes = {ATTNRES_DTYPE_BFLOAT16};
   }
   // Largest problem run (sources + gradients) and largest extra memory of the
   // seed-structure baseline (a stacked copy and a stacked gradient): the machines
@@ -258,11 +306,12 @@ int Main(bool json, bool quick, int threads, int repeat) {
 
   std::vector<Row> rows;
   if (!json) {
-    std::printf("attnres bench: isa %s, %d threads, median of %d; streaming bandwidth: read %.1f "
-                "GB/s, copy (read+write) %.1f GB/s\n",
-                attnres_cpu_isa(), threads, repeat, bw.read_gbs, bw.copy_gbs);
-    std::printf("%-5s %5s %4s %6s | %9s %7s %5s %8s | %9s %7s %5s %8s\n", "dtype", "D", "L",
-                "tokens", "fwd ms", "GB/s", "frac", "vs seed", "bwd ms", "GB/s", "frac", "vs seed");
+    std::printf("attnres bench: isa %s, %d threads, median of %d; frac = GB/s over the stream "
+                "(read for fwd, copy for bwd) timed just before each run\n",
+                attnres_cpu_isa(), threads, repeat);
+    std::printf("%-5s %5s %4s %6s | %9s %7s %7s %5s %8s | %9s %7s %7s %5s %8s\n", "dtype", "D",
+                "L", "tokens", "fwd ms", "GB/s", "read", "frac", "vs seed", "bwd ms", "GB/s",
+                "copy", "frac", "vs seed");
   }
   for (attnres_dtype dtype : dtypes) {
     for (int64_t tokens : token_counts) {
@@ -288,28 +337,29 @@ int Main(bool json, bool quick, int threads, int repeat) {
           Case one(row.spec);
           attnres_params fwd = one.ForwardParams(), bwd = one.BackwardParams();
           fwd.rms_cache = fwd.alpha_cache = bwd.rms_cache = bwd.alpha_cache = nullptr;
-          row.fwd_ms = MedianMs([&] { attnres_forward(&fwd); }, repeat);
-          row.bwd_ms = MedianMs([&] { attnres_backward(&bwd); }, repeat);
           row.fwd_bytes = double(tokens) * dim * (L + 1) * elem;
           row.bwd_bytes = double(tokens) * dim * (2 * L + 1) * elem;
-          if (2 * source_bytes <= kMaxSeedBytes) {
+          row.fwd = TimePaired([&] { attnres_forward(&fwd); }, row.fwd_bytes, read_gbs, repeat);
+          row.bwd = TimePaired([&] { attnres_backward(&bwd); }, row.bwd_bytes, copy_gbs, repeat);
+          if (options.baseline && 2 * source_bytes <= kMaxSeedBytes) {
             // The baseline allocates its own buffers on every call, as the seed does,
             // and takes seconds: one cold run each is what a caller sees.
-            row.seed_fwd_ms = MedianMs([&] { RunSeedStructure(fwd, false, threads); }, 1, false);
-            row.seed_bwd_ms = MedianMs([&] { RunSeedStructure(bwd, true, threads); }, 1, false);
+            row.seed_fwd_ms = TimeMs([&] { RunSeedStructure(fwd, false, threads); });
+            row.seed_bwd_ms = TimeMs([&] { RunSeedStructure(bwd, true, threads); });
           }
           rows.push_back(row);
           if (!json) {
-            const double fgbs = row.fwd_bytes / row.fwd_ms / 1e6, bgbs = row.bwd_bytes / row.bwd_ms / 1e6;
             char fs[32] = "   -", bs[32] = "   -";
             if (row.seed_fwd_ms > 0) {
-              std::snprintf(fs, sizeof(fs), "%7.2fx", row.seed_fwd_ms / row.fwd_ms);
-              std::snprintf(bs, sizeof(bs), "%7.2fx", row.seed_bwd_ms / row.bwd_ms);
+              std::snprintf(fs, sizeof(fs), "%7.2fx", row.seed_fwd_ms / row.fwd.ms);
+              std::snprintf(bs, sizeof(bs), "%7.2fx", row.seed_bwd_ms / row.bwd.ms);
             }
-            std::printf("%-5s %5lld %4lld %6lld | %9.3f %7.1f %5.2f %8s | %9.3f %7.1f %5.2f %8s\n",
+            std::printf("%-5s %5lld %4lld %6lld | %9.3f %7.1f %7.1f %5.2f %8s | %9.3f %7.1f %7.1f "
+                        "%5.2f %8s\n",
                         harness::DtypeName(dtype), (long long)dim, (long long)L, (long long)tokens,
-                        row.fwd_ms, fgbs, fgbs / bw.read_gbs, fs, row.bwd_ms, bgbs,
-                        bgbs / bw.copy_gbs, bs);
+                        row.fwd.ms, row.fwd_bytes / row.fwd.ms / 1e6, row.fwd.stream_gbs,
+                        row.fwd.fraction, fs, row.bwd.ms, row.bwd_bytes / row.bwd.ms / 1e6,
+                        row.bwd.stream_gbs, row.bwd.fraction, bs);
             std::fflush(stdout);
           }
         }
@@ -317,50 +367,57 @@ int Main(bool json, bool quick, int threads, int repeat) {
     }
   }
 
-  // Thread scaling on the headline shape: bf16, D=1536, 16 blocks + partial.
+  // Thread scaling on the headline shape: bf16, D=1536, 16 blocks + partial; 1
+  // thread and all threads alternate, and so do the streams, which bound what any
+  // memory-bound kernel can scale (one core of a small VM may already draw most
+  // of its bandwidth).
   CaseSpec headline;
   headline.dtype = ATTNRES_DTYPE_BFLOAT16;
-  headline.tokens = quick ? 16384 : 65536;
+  headline.tokens = options.quick || options.headline ? 16384 : 65536;
   headline.dim = 1536;
   headline.num_blocks = 16;
   Case one(headline);
   attnres_params fwd = one.ForwardParams(), bwd = one.BackwardParams();
   fwd.rms_cache = fwd.alpha_cache = bwd.rms_cache = bwd.alpha_cache = nullptr;
-  // One core of a small VM may already draw most of its memory bandwidth: the
-  // streams at 1 and n threads bound what any memory-bound kernel can scale.
-  const Bandwidth bw1 = MeasureBandwidth(1, repeat);
-  attnres_set_num_threads(1);
-  const double fwd1 = MedianMs([&] { attnres_forward(&fwd); }, repeat);
-  const double bwd1 = MedianMs([&] { attnres_backward(&bwd); }, repeat);
-  attnres_set_num_threads(threads);
-  const double fwdn = MedianMs([&] { attnres_forward(&fwd); }, repeat);
-  const double bwdn = MedianMs([&] { attnres_backward(&bwd); }, repeat);
+  auto timed_with = [&](int n, const attnres_params& p, bool backward) {
+    attnres_set_num_threads(n);
+    const double ms = TimeMs([&] { backward ? attnres_backward(&p) : attnres_forward(&p); });
+    attnres_set_num_threads(threads);
+    return ms;
+  };
+  const double fwd_scaling =
+      PairedRatio([&] { return timed_with(1, fwd, false); }, [&] { return timed_with(threads, fwd, false); }, repeat);
+  const double bwd_scaling =
+      PairedRatio([&] { return timed_with(1, bwd, true); }, [&] { return timed_with(threads, bwd, true); }, repeat);
+  const double read_scaling = PairedRatio([&] { return 1 / streams.ReadGbs(1); },
+                                          [&] { return 1 / streams.ReadGbs(threads); }, repeat);
+  const double copy_scaling = PairedRatio([&] { return 1 / streams.CopyGbs(1); },
+                                          [&] { return 1 / streams.CopyGbs(threads); }, repeat);
 
   if (json) {
-    std::printf("{\"isa\": \"%s\", \"threads\": %d, \"read_gbs\": %.2f, \"copy_gbs\": %.2f, "
-                "\"rows\": [",
-                attnres_cpu_isa(), threads, bw.read_gbs, bw.copy_gbs);
+    std::printf("{\"isa\": \"%s\", \"threads\": %d, \"repeat\": %d, \"rows\": [",
+                attnres_cpu_isa(), threads, repeat);
     for (size_t k = 0; k < rows.size(); ++k) {
       const Row& r = rows[k];
       std::printf("%s\n  {\"dtype\": \"%s\", \"dim\": %lld, \"sources\": %lld, \"tokens\": %lld, "
-                  "\"fwd_ms\": %.4f, \"fwd_bytes\": %.0f, \"fwd_gbs\": %.2f, \"fwd_fraction\": %.3f, "
-                  "\"bwd_ms\": %.4f, \"bwd_bytes\": %.0f, \"bwd_gbs\": %.2f, \"bwd_fraction\": %.3f, "
+                  "\"fwd_ms\": %.4f, \"fwd_bytes\": %.0f, \"fwd_gbs\": %.2f, \"read_gbs\": %.2f, "
+                  "\"fwd_fraction\": %.3f, \"bwd_ms\": %.4f, \"bwd_bytes\": %.0f, "
+                  "\"bwd_gbs\": %.2f, \"copy_gbs\": %.2f, \"bwd_fraction\": %.3f, "
                   "\"seed_fwd_ms\": %.4f, \"seed_bwd_ms\": %.4f}",
                   k ? "," : "", harness::DtypeName(r.spec.dtype), (long long)r.spec.dim,
-                  (long long)r.spec.num_sources(), (long long)r.spec.tokens, r.fwd_ms, r.fwd_bytes,
-                  r.fwd_bytes / r.fwd_ms / 1e6, r.fwd_bytes / r.fwd_ms / 1e6 / bw.read_gbs,
-                  r.bwd_ms, r.bwd_bytes, r.bwd_bytes / r.bwd_ms / 1e6,
-                  r.bwd_bytes / r.bwd_ms / 1e6 / bw.copy_gbs, r.seed_fwd_ms, r.seed_bwd_ms);
+                  (long long)r.spec.num_sources(), (long long)r.spec.tokens, r.fwd.ms, r.fwd_bytes,
+                  r.fwd_bytes / r.fwd.ms / 1e6, r.fwd.stream_gbs, r.fwd.fraction, r.bwd.ms,
+                  r.bwd_bytes, r.bwd_bytes / r.bwd.ms / 1e6, r.bwd.stream_gbs, r.bwd.fraction,
+                  r.seed_fwd_ms, r.seed_bwd_ms);
     }
-    std::printf("\n], \"scaling\": {\"tokens\": %lld, \"fwd_ms_1\": %.4f, \"fwd_ms_n\": %.4f, "
-                "\"bwd_ms_1\": %.4f, \"bwd_ms_n\": %.4f, \"read_gbs_1\": %.2f, "
-                "\"copy_gbs_1\": %.2f}}\n",
-                (long long)headline.tokens, fwd1, fwdn, bwd1, bwdn, bw1.read_gbs, bw1.copy_gbs);
+    std::printf("\n], \"scaling\": {\"tokens\": %lld, \"fwd\": %.3f, \"bwd\": %.3f, "
+                "\"read\": %.3f, \"copy\": %.3f}}\n",
+                (long long)headline.tokens, fwd_scaling, bwd_scaling, read_scaling, copy_scaling);
   } else {
     std::printf("thread scaling (bf16 D=1536 L=17 tokens=%lld): forward %.2fx, backward %.2fx "
                 "with %d threads vs 1; the streams scale %.2fx (read) and %.2fx (copy)\n",
-                (long long)headline.tokens, fwd1 / fwdn, bwd1 / bwdn, threads,
-                bw.read_gbs / bw1.read_gbs, bw.copy_gbs / bw1.copy_gbs);
+                (long long)headline.tokens, fwd_scaling, bwd_scaling, threads, read_scaling,
+                copy_scaling);
   }
   return 0;
 }

@@ -29,7 +29,7 @@ void Usage() {
                "  attnres run --tokens N --dim D --blocks N [--partial] [--dtype bf16|f16|f32|f64]\n"
                "              [--no-rmsnorm] [--scale X] [--eps X] [--threads N] [--repeat N]\n"
                "              [--no-check]\n"
-               "  attnres bench [--json] [--quick] [--threads N] [--repeat N]\n");
+               "  attnres bench [--json] [--quick | --headline] [--no-baseline] [--threads N] [--repeat N]\n");
 }
 
 // Flag parsing: "--name value" and "--flag".
@@ -225,9 +225,17 @@ int main(int argc, char** argv) {
   Args args(argc - 2, argv + 2);
   if (command == "check") return Check(args);
   if (command == "run") return Run(args);
-  if (command == "bench") return attnres::bench::Main(args.Flag("--json"), args.Flag("--quick"),
-                                                     int(args.Int("--threads", 0)),
-                                                     int(args.Int("--repeat", 5)));
+  if (command == "bench") {
+    attnres::bench::Options options;
+    options.json = args.Flag("--json");
+    options.quick = args.Flag("--quick");
+    options.headline = args.Flag("--headline");
+    options.baseline = !args.Flag("--no-baseline");
+    options.threads = int(args.Int("--threads", 0));
+    options.repeat = int(args.Int("--repeat", 5));
+    args.ExpectEmpty();
+    return attnres::bench::Main(options);
+  }
   if (command == "--version" || command == "version") {
     std::printf("attnres %s (cpu isa %s)\n", attnres_version(), attnres_cpu_isa());
     return 0;
