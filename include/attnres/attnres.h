@@ -123,8 +123,9 @@ typedef struct attnres_params {
 /* Library version "MAJOR.MINOR.PATCH". */
 ATTNRES_API const char* attnres_version(void);
 
-/* CPU kernel variants compiled into the library: "avx512", "avx2" and "baseline"
- * (any x86-64; the only one on other architectures). The best one this CPU runs is
+/* CPU kernel variants compiled into the library: "avx512bf16" (AVX-512 with native
+ * bf16 narrowing), "avx512", "avx2" and "baseline" (any x86-64; the only one on
+ * other architectures). The best one this CPU runs is
  * chosen at load; ATTNRES_CPU_ISA in the environment, or attnres_set_cpu_isa(),
  * forces another (tests and benchmarks run every one). NULL restores the automatic
  * choice. Fails with ATTNRES_ERROR_INVALID_ARGUMENT for a name that is unknown, not

@@ -97,7 +97,7 @@ def get_num_threads() -> int:
 
 
 def cpu_isa() -> str:
-    """The CPU kernel variant in use: "avx512", "avx2" or "baseline"."""
+    """The CPU kernel variant in use: "avx512bf16", "avx512", "avx2" or "baseline"."""
     return _lib.attnres_cpu_isa().decode()
 
 

@@ -44,7 +44,7 @@ constexpr int64_t kStreamStoreBytes = 16 << 20;
 // What the CPU and the OS (saved register state, via xgetbv) support, from cpuid
 // directly: GCC's and clang's __builtin_cpu_supports disagree on feature names.
 struct X86Features {
-  bool avx2 = false, avx512 = false;
+  bool avx2 = false, avx512 = false, avx512bf16 = false;
 };
 
 X86Features DetectX86() {
@@ -60,6 +60,8 @@ X86Features DetectX86() {
   f.avx2 = os_ymm && fma && f16c && (b & bit_AVX2) && (b & bit_BMI2);
   f.avx512 = f.avx2 && os_zmm && (b & bit_AVX512F) && (b & bit_AVX512BW) &&
              (b & bit_AVX512DQ) && (b & bit_AVX512VL) && (b & bit_AVX512CD);
+  // AVX512_BF16 is leaf 7, sub-leaf 1, EAX bit 5.
+  f.avx512bf16 = f.avx512 && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
   return f;
 }
 #endif
@@ -67,6 +69,7 @@ X86Features DetectX86() {
 bool CpuHas(const char* isa) {
 #if defined(__x86_64__) || defined(__i386__)
   static const X86Features features = DetectX86();
+  if (std::strcmp(isa, "avx512bf16") == 0) return features.avx512bf16;
   if (std::strcmp(isa, "avx512") == 0) return features.avx512;
   if (std::strcmp(isa, "avx2") == 0) return features.avx2;
 #endif
@@ -76,7 +79,7 @@ bool CpuHas(const char* isa) {
 // Compiled-in variants, best first.
 std::vector<const KernelTable*> CompiledTables() {
   std::vector<const KernelTable*> tables;
-  for (const KernelTable* t : {Avx512Kernels(), Avx2Kernels(), BaselineKernels()}) {
+  for (const KernelTable* t : {Avx512Bf16Kernels(), Avx512Kernels(), Avx2Kernels(), BaselineKernels()}) {
     if (t != nullptr) tables.push_back(t);
   }
   return tables;

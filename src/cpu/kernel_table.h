@@ -52,6 +52,7 @@ struct KernelTable {
 const KernelTable* BaselineKernels();
 const KernelTable* Avx2Kernels();
 const KernelTable* Avx512Kernels();
+const KernelTable* Avx512Bf16Kernels();
 
 }  // namespace attnres::cpu
 

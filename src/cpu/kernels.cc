@@ -114,10 +114,11 @@ template <> struct Elem<Bf16> {
     // a non-zero subnormal lane (rare) takes the integer path to stay exact.
     const __m512i magnitude_lo = _mm512_and_si512(reinterpret_cast<__m512i>(lo), _mm512_set1_epi32(0x7FFFFFFF));
     const __m512i magnitude_hi = _mm512_and_si512(reinterpret_cast<__m512i>(hi), _mm512_set1_epi32(0x7FFFFFFF));
-    const __m512i one = _mm512_set1_epi32(1), below_normal = _mm512_set1_epi32(0x007FFFFF);
+    // 0 < magnitude <= 0x007FFFFF, as one unsigned compare of magnitude - 1.
+    const __m512i one = _mm512_set1_epi32(1), largest_subnormal = _mm512_set1_epi32(0x007FFFFF);
     const __mmask16 subnormal =
-        _mm512_cmple_epu32_mask(_mm512_sub_epi32(magnitude_lo, one), below_normal) |
-        _mm512_cmple_epu32_mask(_mm512_sub_epi32(magnitude_hi, one), below_normal);
+        _mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude_lo, one), largest_subnormal) |
+        _mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude_hi, one), largest_subnormal);
     if (subnormal == 0) {
       const __m512bh packed = _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(hi), reinterpret_cast<__m512>(lo));
       std::memcpy(p, &packed, sizeof(packed));

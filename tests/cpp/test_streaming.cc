@@ -6,6 +6,7 @@
 
 #include "attnres/attnres.h"
 #include "ref/harness.h"
+#include "test_util.h"
 
 namespace {
 
@@ -13,11 +14,11 @@ using attnres::harness::Case;
 using attnres::harness::CaseSpec;
 
 TEST(StreamingStores, LargeOutputsMatchTheReference) {
-  for (const char* isa : {"avx512", "avx2", "baseline"}) {
-    if (attnres_set_cpu_isa(isa) != ATTNRES_OK) continue;
-    // f32 with aligned rows streams both outputs; bf16 rows padded by one element
-    // are not aligned to the vector and fall back to normal stores row by row.
+  attnres_test::ForEachIsa([](const std::string& isa) {
+    // Aligned rows stream both outputs; bf16 rows padded by one element are not
+    // all aligned to the store width and fall back to normal stores row by row.
     for (auto [dtype, padding] : {std::pair{ATTNRES_DTYPE_FLOAT32, 0},
+                                  std::pair{ATTNRES_DTYPE_BFLOAT16, 0},
                                   std::pair{ATTNRES_DTYPE_BFLOAT16, 1}}) {
       CaseSpec spec;
       spec.dtype = dtype;
@@ -36,8 +37,7 @@ TEST(StreamingStores, LargeOutputsMatchTheReference) {
       EXPECT_LE(e.WorstBackward(), attnres::harness::BackwardTolerance(dtype))
           << isa << " " << spec.Describe();
     }
-  }
-  attnres_set_cpu_isa(nullptr);
+  });
 }
 
 }  // namespace
