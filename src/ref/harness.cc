@@ -132,7 +132,7 @@ Case::Case(const CaseSpec& spec) : spec_(spec), stride_(spec.dim + spec.row_padd
   uint64_t stream = 0;  // each buffer its own reproducible stream
   auto random_rows = [&](int64_t rows, int64_t cols, int64_t stride, double mean, double sd) {
     Random rng(spec.seed * 1000003 + stream++);
-    std::vector<char> bytes(std::max<int64_t>(1, rows * stride * elem), 0);
+    Bytes bytes(std::max<int64_t>(1, rows * stride * elem), 0);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t c = 0; c < cols; ++c) {
         WriteElement(bytes.data() + (r * stride + c) * elem, spec.dtype, rng.Next(mean, sd));
@@ -176,7 +176,7 @@ ref::Problem Case::Problem() const {
   return problem;
 }
 
-std::vector<double> Case::Unpack(const std::vector<char>& bytes, int64_t rows, int64_t cols,
+std::vector<double> Case::Unpack(const Bytes& bytes, int64_t rows, int64_t cols,
                                  int64_t stride) const {
   const int64_t elem = ElementBytes(spec_.dtype);
   std::vector<double> values(rows * cols);
@@ -239,7 +239,7 @@ Errors Case::Compare() const {
   const ref::Problem problem = Problem();
   const ref::ForwardResult fwd = ref::Forward(problem);
   const ref::BackwardResult bwd = ref::Backward(problem, Unpack(grad_out_, T, D, stride_));
-  auto unpack_acc = [&](const std::vector<char>& bytes) {
+  auto unpack_acc = [&](const Bytes& bytes) {
     std::vector<double> v(T * L);
     for (int64_t k = 0; k < T * L; ++k) {
       if (spec_.dtype == ATTNRES_DTYPE_FLOAT64) {

@@ -5,7 +5,9 @@
 #ifndef ATTNRES_SRC_REF_HARNESS_H_
 #define ATTNRES_SRC_REF_HARNESS_H_
 
+#include <cstddef>
 #include <cstdint>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -46,6 +48,24 @@ const char* DtypeName(attnres_dtype dtype);
 bool ParseDtype(const std::string& name, attnres_dtype* dtype);
 int64_t ElementBytes(attnres_dtype dtype);
 
+// Bytes aligned to 64, as PyTorch's CPU allocator aligns tensors (the kernels
+// stream outputs whose rows are aligned to the store width).
+template <typename T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <typename U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) {
+    void* p = ::operator new(n * sizeof(T), std::align_val_t{64});
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  bool operator==(const Aligned64&) const { return true; }
+  bool operator!=(const Aligned64&) const { return false; }
+};
+using Bytes = std::vector<char, Aligned64<char>>;
+
 // Buffers of one case and the params that point into them.
 class Case {
  public:
@@ -64,14 +84,14 @@ class Case {
   Errors Compare() const;  // runs the reference; call after Forward() and Backward()
 
  private:
-  std::vector<double> Unpack(const std::vector<char>& bytes, int64_t rows, int64_t cols,
+  std::vector<double> Unpack(const Bytes& bytes, int64_t rows, int64_t cols,
                              int64_t stride) const;
 
   CaseSpec spec_;
   int64_t stride_;
-  std::vector<std::vector<char>> sources_, grad_sources_;
-  std::vector<char> w_, gamma_, out_, grad_out_, grad_w_, grad_gamma_;
-  std::vector<char> rms_, alpha_;  // accumulation type
+  std::vector<Bytes> sources_, grad_sources_;
+  Bytes w_, gamma_, out_, grad_out_, grad_w_, grad_gamma_;
+  Bytes rms_, alpha_;  // accumulation type
   std::vector<const void*> block_ptrs_;
   std::vector<void*> grad_block_ptrs_;
 };
