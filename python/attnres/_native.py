@@ -9,9 +9,11 @@ not link against libtorch, so one build serves every torch version.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import math
 import os
+import struct
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
@@ -72,9 +74,18 @@ def _find_library() -> Path:
         "or point ATTNRES_LIBRARY at a built libattnres.so")
 
 
+# A call passes attnres_params as bytes packed by struct in the C layout ("@":
+# native sizes and alignment), a third of the cost of filling a _Params; the
+# format comes from _Params so that the two cannot drift apart.
+_STRUCT_CODES = {ctypes.c_int32: "i", ctypes.c_int64: "q", ctypes.c_double: "d"}
+_PARAMS = struct.Struct("@" + "".join(_STRUCT_CODES.get(t, "P") for _, t in _Params._fields_))
+assert _PARAMS.size == ctypes.sizeof(_Params), "attnres_params layout mismatch"
+# Arrays of pointers (blocks, grad_blocks) as array.array of unsigned words.
+_POINTER_CODE = "Q" if ctypes.sizeof(ctypes.c_void_p) == 8 else "I"
+
 _lib = ctypes.CDLL(str(_find_library()))
 for _name in ("attnres_forward", "attnres_backward"):
-    getattr(_lib, _name).argtypes = [ctypes.POINTER(_Params)]
+    getattr(_lib, _name).argtypes = [ctypes.c_char_p]  # the packed params
     getattr(_lib, _name).restype = ctypes.c_int
 for _name in ("attnres_version", "attnres_last_error", "attnres_cpu_isa"):
     getattr(_lib, _name).restype = ctypes.c_char_p
@@ -110,15 +121,10 @@ def cuda_available() -> bool:
     return bool(_lib.attnres_cuda_available())
 
 
-_POINTER_ARRAYS = {}  # n -> ctypes type of n pointers; building a type costs ~1 us
-
-
-def _pointers(addresses: List[Optional[int]]):
-    n = max(1, len(addresses))
-    array_type = _POINTER_ARRAYS.get(n)
-    if array_type is None:
-        array_type = _POINTER_ARRAYS[n] = ctypes.c_void_p * n
-    return array_type(*addresses)
+def _pointers(addresses: List[int]) -> array.array:
+    """A C array of pointers (0 for NULL); its address is buffer_info()[0], valid
+    while the array lives."""
+    return array.array(_POINTER_CODE, addresses or [0])
 
 
 def _check(status: int) -> None:
@@ -155,7 +161,10 @@ def _row_stride(x: torch.Tensor, dim: int) -> Optional[int]:
 
 def _rows(tensors: Sequence[torch.Tensor], dim: int) -> Tuple[List[torch.Tensor], int]:
     """The tensors with one shared row stride, copying only those that need it."""
-    if all(t.is_contiguous() for t in tensors):
+    for t in tensors:  # a plain loop: all() over a generator costs ~1 us more
+        if not t.is_contiguous():
+            break
+    else:
         return tensors, dim
     strides = [_row_stride(t, dim) for t in tensors]
     if strides and all(s == strides[0] for s in strides) and strides[0] is not None:
@@ -163,19 +172,20 @@ def _rows(tensors: Sequence[torch.Tensor], dim: int) -> Tuple[List[torch.Tensor]
     return [t if s == dim else t.contiguous() for t, s in zip(tensors, strides)], dim
 
 
-def _call(function, params: _Params, like: torch.Tensor) -> None:
-    """Calls the ABI; on CUDA with the tensors' device current, as the kernels
-    launch on the current device and torch's current stream for it."""
+def _call(function, params: bytes, like: torch.Tensor) -> None:
+    """Calls the ABI with params packed by _PARAMS; on CUDA with the tensors'
+    device current, as the kernels launch on the current device and torch's
+    current stream for it."""
     if like.is_cuda:
         with torch.cuda.device(like.device):
-            _check(function(ctypes.byref(params)))
+            _check(function(params))
     else:
-        _check(function(ctypes.byref(params)))
+        _check(function(params))
 
 
 def _stream_and_device(x: torch.Tensor) -> Tuple[int, Optional[int]]:
     if x.is_cpu:
-        return _DEVICE_CPU, None
+        return _DEVICE_CPU, 0
     if x.is_cuda:
         return _DEVICE_CUDA, torch.cuda.current_stream(x.device).cuda_stream
     raise ValueError(f"tensors must be on the CPU or a CUDA device, got {x.device}")
@@ -279,13 +289,14 @@ def forward(blocks: Sequence[torch.Tensor], partial: Optional[torch.Tensor],
 
     num_blocks = len(blocks)
     block_ptrs = _pointers([s.data_ptr() for s in sources[:num_blocks]])
-    # Positional, in _Params._fields_ order: a third cheaper than keywords.
-    p = _Params(_ABI_VERSION, tokens, dim, num_blocks, _DTYPES[dtype], device, stream,
-                block_ptrs, sources[-1].data_ptr() if partial is not None else None, stride,
-                proj_weight.data_ptr(), gamma.data_ptr() if gamma is not None else None,
-                scale, eps, rmsnorm, out.data_ptr(), dim,
-                rms.data_ptr() if rms is not None else None,
-                alpha.data_ptr() if alpha is not None else None)
+    # In _Params._fields_ order; the backward's fields are 0 (NULL).
+    p = _PARAMS.pack(_ABI_VERSION, tokens, dim, num_blocks, _DTYPES[dtype], device, stream,
+                     block_ptrs.buffer_info()[0],
+                     sources[-1].data_ptr() if partial is not None else 0, stride,
+                     proj_weight.data_ptr(), gamma.data_ptr() if gamma is not None else 0,
+                     scale, eps, 1 if rmsnorm else 0, out.data_ptr(), dim,
+                     rms.data_ptr() if rms is not None else 0,
+                     alpha.data_ptr() if alpha is not None else 0, 0, 0, 0, 0, 0, 0, 0)
     _call(_lib.attnres_forward, p, first)
     return out, rms, alpha
 
@@ -310,16 +321,20 @@ def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
     num_blocks = len(blocks)
     sources, stride = _rows(sources, dim)
     first = sources[0]
-    lead = tuple(first.shape[:-1])
     num_sources = len(sources)
     tokens = first.numel() // dim if dim else 0
     device, stream = _stream_and_device(first)
-    if (grad_out.shape != first.shape or grad_out.dtype != dtype
-            or grad_out.device != first.device or grad_out.layout is not torch.strided):
+    on_cpu = device == _DEVICE_CPU
+    if not (grad_out.shape == first.shape and grad_out.dtype is dtype
+            and grad_out.layout is torch.strided
+            and (grad_out.is_cpu if on_cpu else grad_out.device == first.device)):
         raise ValueError(f"grad_out must be a dense {tuple(first.shape)} {dtype} tensor on "
                          f"{first.device}, got {grad_out.layout} {tuple(grad_out.shape)} "
                          f"{grad_out.dtype} on {grad_out.device}")
-    (grad_out,), grad_stride = _rows([grad_out], dim)
+    if not grad_out.is_contiguous():
+        (grad_out,), grad_stride = _rows([grad_out], dim)
+    else:
+        grad_stride = dim
     acc = accumulation_dtype(dtype)
     caches = []
     for name, cache in (("rms_cache", rms_cache if rmsnorm else None), ("alpha_cache", alpha_cache)):
@@ -327,9 +342,11 @@ def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
             if cache.layout is not torch.strided:
                 raise ValueError(f"{name} must be a dense (strided) tensor, got {cache.layout}")
             if cache.numel() != tokens * num_sources:
-                raise ValueError(f"{name} must hold {lead + (num_sources,)} values, got shape "
-                                 f"{tuple(cache.shape)}")
-            cache = cache.to(device=first.device, dtype=acc).contiguous()
+                raise ValueError(f"{name} must hold {tuple(first.shape[:-1]) + (num_sources,)} "
+                                 f"values, got shape {tuple(cache.shape)}")
+            if not (cache.dtype is acc and cache.is_contiguous()
+                    and (cache.is_cpu if on_cpu else cache.device == first.device)):
+                cache = cache.to(device=first.device, dtype=acc).contiguous()
         caches.append(cache)
     rms_cache, alpha_cache = caches
     proj_weight, gamma = _vector(proj_weight), _vector(gamma if rmsnorm else None)
@@ -340,9 +357,8 @@ def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
                    for need in need_block_grads]
     grad_partial = (torch.empty_like(first, memory_format=torch.contiguous_format)
                     if partial is not None and need_partial_grad else None)
-    grad_w = torch.empty(dim, dtype=dtype, device=first.device) if need_proj_weight_grad else None
-    grad_gamma = (torch.empty(dim, dtype=dtype, device=first.device)
-                  if rmsnorm and need_gamma_grad else None)
+    grad_w = proj_weight.new_empty(dim) if need_proj_weight_grad else None
+    grad_gamma = proj_weight.new_empty(dim) if rmsnorm and need_gamma_grad else None
 
     if tokens == 0:  # the sums over no tokens are zero
         for g in (grad_w, grad_gamma):
@@ -350,19 +366,18 @@ def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
                 g.zero_()
         return grad_blocks, grad_partial, grad_w, grad_gamma
 
-    def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
-        return t.data_ptr() if t is not None else None
+    def ptr(t: Optional[torch.Tensor]) -> int:
+        return t.data_ptr() if t is not None else 0
 
     block_ptrs = _pointers([s.data_ptr() for s in sources[:num_blocks]])
     grad_ptrs = _pointers([ptr(g) for g in grad_blocks])
-    p = _Params(
-        abi_version=_ABI_VERSION, num_tokens=tokens, dim=dim, num_blocks=num_blocks,
-        dtype=_DTYPES[dtype], device=device, stream=stream, blocks=block_ptrs,
-        partial=sources[-1].data_ptr() if partial is not None else None,
-        source_row_stride=stride, proj_weight=proj_weight.data_ptr(), gamma=ptr(gamma),
-        scale=float(scale), eps=float(eps), rmsnorm=int(bool(rmsnorm)),
-        rms_cache=ptr(rms_cache), alpha_cache=ptr(alpha_cache), grad_out=grad_out.data_ptr(),
-        grad_out_row_stride=grad_stride, grad_blocks=grad_ptrs, grad_partial=ptr(grad_partial),
-        grad_source_row_stride=dim, grad_proj_weight=ptr(grad_w), grad_gamma=ptr(grad_gamma))
+    # In _Params._fields_ order; the forward's outputs are 0 (NULL).
+    p = _PARAMS.pack(
+        _ABI_VERSION, tokens, dim, num_blocks, _DTYPES[dtype], device, stream,
+        block_ptrs.buffer_info()[0], sources[-1].data_ptr() if partial is not None else 0,
+        stride, proj_weight.data_ptr(), ptr(gamma), scale, eps, 1 if rmsnorm else 0, 0, 0,
+        ptr(rms_cache), ptr(alpha_cache), grad_out.data_ptr(), grad_stride,
+        grad_ptrs.buffer_info()[0] if grad_blocks else 0, ptr(grad_partial), dim,
+        ptr(grad_w), ptr(grad_gamma))
     _call(_lib.attnres_backward, p, first)
     return grad_blocks, grad_partial, grad_w, grad_gamma

@@ -56,9 +56,9 @@ def _check_blocks(blocks, shape, dtype, device):
 def _check_tensor(t, name: str, shape, dtype, device):
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
+    if t.shape != shape:
         raise ValueError(f"{name} shape must be {tuple(shape)}, but got {tuple(t.shape)}")
-    if dtype is not None and t.dtype != dtype:
+    if dtype is not None and t.dtype is not dtype:
         raise ValueError(f"{name} dtype must be {dtype}, but got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name} device must be {device}, but got {t.device}")
