@@ -268,14 +268,24 @@ struct Row {
   [[gnu::noinline]] static void Dots(const T* x, const T* next, const A* wg, const A* g,
                                      int64_t dim, A* sum_sq, A* dot_wg, A* dot_g) {
     V sq0 = {}, sq1 = {}, w0 = {}, w1 = {}, g0 = {}, g1 = {};
-    int64_t d = 0;
-    for (; d + 2 * kLanes <= dim; d += 2 * kLanes) {
-      PrefetchLine(next, d);
-      const V x0 = E::Load(x + d), x1 = E::Load(x + d + kLanes);
+    auto add = [&](int64_t d, V x0, V x1) {
       w0 += x0 * LoadA(wg + d);
       w1 += x1 * LoadA(wg + d + kLanes);
       if (kSumSq) { sq0 += x0 * x0; sq1 += x1 * x1; }
       if (kDotG) { g0 += x0 * LoadA(g + d); g1 += x1 * LoadA(g + d + kLanes); }
+    };
+    int64_t d = 0;
+    // Four vectors per iteration (a whole line of bf16 on AVX2): fewer loop and
+    // prefetch-test instructions per byte.
+    for (; d + 4 * kLanes <= dim; d += 4 * kLanes) {
+      PrefetchLine(next, d);
+      PrefetchLine(next, d + 2 * kLanes);
+      add(d, E::Load(x + d), E::Load(x + d + kLanes));
+      add(d + 2 * kLanes, E::Load(x + d + 2 * kLanes), E::Load(x + d + 3 * kLanes));
+    }
+    for (; d + 2 * kLanes <= dim; d += 2 * kLanes) {
+      PrefetchLine(next, d);
+      add(d, E::Load(x + d), E::Load(x + d + kLanes));
     }
     for (; d < dim; d += kLanes) {
       const V x0 = Load(x + d, dim - d);
