@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every test: set up, build, C++ tests on every CPU kernel variant, the random
-# check against the reference, the Python tests, then the C++ tests again under
+# check against the reference, a smoke run of the benchmark, the Python tests, then the C++ tests again under
 # AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/) and a 60-second
 # libFuzzer run of the C ABI (build-fuzz/). Any sanitizer report fails the run.
 # ATTNRES_BUILD_JOBS sets -j of the sanitizer and fuzz builds (default: all
@@ -12,13 +12,23 @@ ATTNRES_WHEEL_CUDA=OFF bash scripts/build.sh
 echo "== C++ tests"
 ./build/attnres_tests --gtest_brief=1
 echo "== attnres check on every CPU variant"
-for isa in avx512 avx2 baseline; do
+for isa in avx512bf16 avx512 avx2 baseline; do
   if ATTNRES_CPU_ISA=$isa ./build/attnres --version | grep -q "isa $isa"; then
     ATTNRES_CPU_ISA=$isa ./build/attnres check --cases 200
   else
     echo "skipped: this CPU does not run the $isa variant"
   fi
 done
+echo "== attnres bench smoke run (headline shape, one repeat; numbers not judged here)"
+./build/attnres bench --json --headline --no-baseline --repeat 1 | python3 -c '
+import json, sys
+report = json.load(sys.stdin)
+(row,) = report["rows"]
+assert (row["dtype"], row["dim"], row["sources"], row["tokens"]) == ("bf16", 1536, 17, 65536), row
+for key in ("fwd_ms", "bwd_ms", "read_gbs", "copy_gbs", "fwd_fraction", "bwd_fraction"):
+    assert row[key] > 0, (key, row)
+assert all(report["scaling"][k] > 0 for k in ("fwd", "bwd", "read", "copy")), report
+print("bench json ok:", {k: row[k] for k in ("fwd_fraction", "bwd_fraction")})'
 echo "== Python tests"
 python3 -m pytest -q tests/python
 echo "== C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"

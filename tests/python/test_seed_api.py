@@ -679,3 +679,26 @@ def test_weight_gradients_bitwise_deterministic(make_inputs, bits_equal, restore
     for name, res in runs.items():
         for key in ("dw", "dgamma", "out", "grad_blocks[3]", "grad_partial"):
             assert bits_equal(res[key], first[key]), f"{key}: {name} differs from {first_name}"
+
+
+@dtype_param([BF16, FP32])
+def test_large_outputs_on_huge_pages_match_the_reference(dtype):
+    """Outputs of 4 MB and more are allocated with the huge-page advice (and, in
+    the library, written with non-temporal stores): values as for small ones."""
+    gen = torch.Generator().manual_seed(11)
+    tokens, dim = 2560, 1024  # 5 MB (bf16) and 10 MB (fp32) per output
+    blocks = [torch.randn(1, tokens, dim, generator=gen).to(dtype) for _ in range(2)]
+    partial = torch.randn(1, tokens, dim, generator=gen).to(dtype)
+    w = (torch.randn(dim, generator=gen) / 32).to(dtype)
+    gamma = (1 + 0.1 * torch.randn(dim, generator=gen)).to(dtype)
+    grad_h = torch.randn(1, tokens, dim, generator=gen).to(dtype)
+    out, rms, alpha = attnres.block_attn_res(blocks, w, partial_block=partial, rmsnorm_gamma=gamma,
+                                             rms_out_flag=True, alpha_out_flag=True)
+    ref_h = reference_forward(blocks, partial, w, gamma, 1.0, 1e-6, True)[0]
+    assert out.is_contiguous() and out.shape == partial.shape and out.dtype == dtype
+    assert rel_err(out, ref_h) <= H_TOL[dtype]
+    grads = attnres.block_attn_res_backward(grad_h, blocks, w, alpha, partial_block=partial,
+                                            rmsnorm_gamma=gamma, rms_cache=rms)
+    ref = reference_backward(grad_h, blocks, partial, w, gamma, 1.0, 1e-6, True)
+    for got, want in zip(grads[0] + [grads[1]], ref[0] + [ref[1]]):
+        assert got.is_contiguous() and rel_err(got, want) <= GRAD_TOL[dtype]
