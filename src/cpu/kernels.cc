@@ -228,6 +228,9 @@ struct Row {
   template <typename Step>
   static void ForEachVector(int64_t dim, const Step& step) {
     int64_t d = 0;
+    // Unrolled: the loop's own add/compare/branch were 3 of the 7 instructions
+    // per vector of the forward's fold.
+#pragma GCC unroll 4
     for (; d + kLanes <= dim; d += kLanes) step(d, kLanes);
     if (d < dim) step(d, dim - d);
   }
