@@ -20,7 +20,7 @@ struct CallInfo {
   const attnres_params* params;
   int64_t num_sources;         // L
   int64_t padded_dim;          // dim rounded up to the widest vector
-  int64_t tile_tokens;         // tokens per tile: every source is read in runs of this many rows
+  int64_t tile_tokens;         // tokens per tile: pass 2 rereads the tile's rows from cache
   const void* const* sources;  // [L] blocks then partial
   void* const* grad_sources;   // [L] (backward; entries may be null)
   const void* wg;              // A[padded_dim]: w * gamma (w when rmsnorm is off)
@@ -30,8 +30,8 @@ struct CallInfo {
 // Scratch of one thread, in units of A, 64-byte aligned (Call::AllocateScratch
 // in backend.cc lays it out).
 struct Scratch {
-  void* acc;    // [tile, padded_dim]: forward output accumulator / backward grad_out in A
-  void* stats;  // [4, tile, L] + [2, tile]: z, r, alpha, dot(g, v); running max and sum
+  void* acc;    // [tile, padded_dim] (backward): the tile's grad_out rows in A
+  void* stats;  // [4, tile, L]: z, r, alpha, dot(g, v)
   void* u;      // [padded_dim] (backward): this chunk's share of U, or null for no dw/dgamma
 };
 

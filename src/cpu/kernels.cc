@@ -6,18 +6,24 @@
 // the same source with the vector width of its ISA. Everything is in an unnamed
 // namespace: no inline function of one variant may be merged into another.
 //
-// Per token, with L sources v_i of D elements and wg = w * gamma:
-//   forward  - one pass over the sources: each row is read once from memory for
-//              sum(v^2) and dot(wg, v) (two reductions), then again from L1 to fold
-//              it into the output with an online softmax (acc = acc * c + p * v).
-//   backward - pass 1 reads every source once for sum(v^2), dot(wg, v), dot(g, v);
-//              the softmax backward is then a few scalars per source; pass 2 rereads
-//              the tile's sources (from cache) and writes dv_i = alpha_i g + a_i wg +
-//              b_i v_i, adding a_i v_i to this chunk's U (dw = gamma U, dgamma = w U).
-// Sources are read per tile: all of the tile's rows of source 0, then of source 1,
-// ..., so memory sees long runs of each source instead of L interleaved 1-row runs.
+// Per token, with L sources v_i of D elements and wg = w * gamma, a tile of tokens
+// is done in two passes:
+//   pass 1 - reads every source row of the tile once from memory, source by source
+//            (all of the tile's rows of source 0, then of source 1, ...), so memory
+//            sees long runs of each source instead of L interleaved 1-row runs; it
+//            computes sum(v^2), dot(wg, v) and, in the backward, dot(g, v).
+//   then   - the softmax (forward) or its backward, a few scalars per source;
+//   pass 2 - token by token, rereads the tile's sources from cache, a chunk of a few
+//            vectors of every source at a time with the sums in registers:
+//            forward  out = sum_i alpha_i v_i, written once;
+//            backward dv_i = alpha_i g + a_i wg + b_i v_i written once per source,
+//                     and U += sum_i a_i v_i (dw = gamma U, dgamma = w U).
+//            Nothing but the outputs is stored: an accumulator row in memory would
+//            be read and written once per source (3x the source bytes in cache
+//            traffic), which is what limited the single-pass forward.
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -223,25 +229,43 @@ struct Row {
   static void StoreA(A* p, V v) { std::memcpy(p, &v, sizeof(v)); }
 
   // step(d, n) for every vector of a row: whole vectors (n == kLanes, a constant
-  // once inlined, so Load/Store lose their tail test and the loop keeps its
-  // broadcasts in registers), then the partial last vector if there is one.
+  // once inlined, so Load/Store lose their tail test), then the partial last
+  // vector if there is one.
   template <typename Step>
   static void ForEachVector(int64_t dim, const Step& step) {
     int64_t d = 0;
-    // Unrolled: the loop's own add/compare/branch were 3 of the 7 instructions
-    // per vector of the forward's fold.
-#pragma GCC unroll 4
     for (; d + kLanes <= dim; d += kLanes) step(d, kLanes);
     if (d < dim) step(d, dim - d);
   }
 
-  // pair(d) for every two whole vectors of a row ([d, d + 2 kLanes)), then
-  // step(d, n) as in ForEachVector for the at most two vectors left.
-  template <typename Pair, typename Step>
-  static void ForEachPair(int64_t dim, const Pair& pair, const Step& step) {
+  // step(d, vectors, n) for every chunk of a row: kChunkVectors whole vectors at a
+  // time, then single vectors, the last one with its n <= kLanes lanes. `vectors`
+  // is a std::integral_constant, so each step sizes its register arrays at compile
+  // time.
+  static constexpr int kChunkVectors = 4;
+  template <typename Step>
+  static void ForEachChunk(int64_t dim, const Step& step) {
     int64_t d = 0;
-    for (; d + 2 * kLanes <= dim; d += 2 * kLanes) pair(d);
-    for (; d < dim; d += kLanes) step(d, dim - d < kLanes ? dim - d : kLanes);
+    for (; d + kChunkVectors * kLanes <= dim; d += kChunkVectors * kLanes) {
+      step(d, std::integral_constant<int, kChunkVectors>{}, kLanes);
+    }
+    for (; d < dim; d += kLanes) {
+      step(d, std::integral_constant<int, 1>{}, dim - d < kLanes ? dim - d : kLanes);
+    }
+  }
+
+  // Stores K vectors (K == kChunkVectors, or 1 with n lanes) at p: in pairs, past
+  // the caches when `stream`.
+  template <int K>
+  static void StoreChunk(T* p, const V (&v)[K], int64_t n, bool stream) {
+    if constexpr (K == 1) {
+      Store(p, v[0], n);
+    } else {
+      static_assert(K % 2 == 0);
+      for (int k = 0; k < K; k += 2) {
+        stream ? StoreStream2(p + k * kLanes, v[k], v[k + 1]) : Store2(p + k * kLanes, v[k], v[k + 1]);
+      }
+    }
   }
 
   // Lanes summed in a fixed order: results do not depend on anything but the ISA.
@@ -253,9 +277,11 @@ struct Row {
 
   // Asks for the cache line holding next[d] once per line of the row: called for
   // every d that is a multiple of kLanes, it prefetches when d starts a line.
+  // kLocality 3 asks for L1 (the row read next), 2 for L2 (rows read a tile later).
   static constexpr int64_t kLineElems = 64 / sizeof(T);
+  template <int kLocality = 3>
   static void PrefetchLine(const T* next, int64_t d) {
-    if (kLanes >= kLineElems || d % kLineElems == 0) __builtin_prefetch(next + d);
+    if (kLanes >= kLineElems || d % kLineElems == 0) __builtin_prefetch(next + d, 0, kLocality);
   }
 
   // One read of x: sum(x^2) (if kSumSq), dot(wg, x), and dot(g, x) (if kDotG),
@@ -301,66 +327,79 @@ struct Row {
     if (kDotG) *dot_g = Sum(g0 + g1);
   }
 
-  // acc = x (kInit), acc = acc * c + p * x otherwise: one online-softmax step.
-  template <bool kInit, bool kRescale>
-  [[gnu::noinline]] static void Accumulate(A* acc, const T* x, A c, A p, int64_t dim) {
-    const V vc = V{} + c, vp = V{} + p;
-    ForEachVector(dim, [&](int64_t d, int64_t n) {
-      const V xv = Load(x + d, n);
-      if (kInit) {
-        StoreA(acc + d, xv);
-      } else if (kRescale) {
-        StoreA(acc + d, LoadA(acc + d) * vc + vp * xv);
-      } else {
-        StoreA(acc + d, LoadA(acc + d) + vp * xv);
-      }
-    });
+  // Pass 2 reads only from cache, so memory would idle while it computes: it asks
+  // for the rows that pass 1 of this thread's next tile reads, at the pace and
+  // positions it reads its own (token j's chunk d of source i: the next tile's
+  // token j, chunk d of source i), into L2. `prefetch_offset` < 0: none.
+  template <int K>
+  static void PrefetchChunk(const void* source, int64_t prefetch_offset, int64_t d) {
+    if (prefetch_offset < 0) return;
+    const T* p = static_cast<const T*>(source) + prefetch_offset;
+    for (int k = 0; k < K; ++k) PrefetchLine<2>(p, d + k * kLanes);
   }
 
-  static void StoreScaled(T* out, const A* acc, A factor, int64_t dim, bool stream) {
-    const V vf = V{} + factor;
-    stream = stream && Streamable(out);
-    ForEachPair(
-        dim,
-        [&](int64_t d) {
-          const V lo = LoadA(acc + d) * vf, hi = LoadA(acc + d + kLanes) * vf;
-          stream ? StoreStream2(out + d, lo, hi) : Store2(out + d, lo, hi);
-        },
-        [&](int64_t d, int64_t n) { Store(out + d, LoadA(acc + d) * vf, n); });
+  // Forward pass 2 of one token: out = sum_i alpha_i v_i over the L source rows at
+  // `offset` elements into each source, a chunk of every row at a time, the sum in
+  // registers. `stream`: out is aligned for StoreStream2.
+  [[gnu::noinline]] static void WeightedSum(T* out, const void* const* sources, int64_t offset,
+                                            int64_t prefetch_offset, const A* alpha,
+                                            int64_t num_sources, int64_t dim, bool stream) {
+    ForEachChunk(dim, [&](int64_t d, auto vectors, int64_t n) {
+      constexpr int K = decltype(vectors)::value;
+      V sum[K] = {};
+      for (int64_t i = 0; i < num_sources; ++i) {
+        PrefetchChunk<K>(sources[i], prefetch_offset, d);
+        const T* x = static_cast<const T*>(sources[i]) + offset + d;
+        const V weight = V{} + alpha[i];
+        for (int k = 0; k < K; ++k) sum[k] += weight * Load(x + k * kLanes, n);
+      }
+      StoreChunk<K>(out + d, sum, n, stream);
+    });
   }
 
   static void Widen(A* dst, const T* src, int64_t dim) {
     ForEachVector(dim, [&](int64_t d, int64_t n) { StoreA(dst + d, Load(src + d, n)); });
   }
 
-  // dv = alpha g + a wg + b x (if kWrite), u += a x (if kAccumulateU).
-  // (x is reread from L2 or L3 here: `next` is prefetched as in Dots.)
+  // Backward pass 2 of one token: dv_i = alpha_i g + a_i wg + b_i v_i for every
+  // source i with a gradient row (kWrite; grad_sources[i] may be null), and
+  // u += sum_i a_i v_i (kAccumulateU). Sources are read at `offset` elements, their
+  // gradients written at `grad_offset`; g, wg, the chunk's U and the coefficient
+  // broadcasts stay in registers across the sources. kStream: every gradient row is
+  // aligned for StoreStream2.
   template <bool kWrite, bool kAccumulateU, bool kStream>
-  [[gnu::noinline]] static void SourceGrad(T* dv, const T* x, const T* next, const A* g,
-                                           const A* wg, A alpha, A a, A b, A* u, int64_t dim) {
-    const V valpha = V{} + alpha, va = V{} + a, vb = V{} + b;
-    auto grad = [&](int64_t d, V xv) { return valpha * LoadA(g + d) + va * LoadA(wg + d) + vb * xv; };
-    auto add_u = [&](int64_t d, V xv) { StoreA(u + d, LoadA(u + d) + va * xv); };
-    ForEachPair(
-        dim,
-        [&](int64_t d) {
-          PrefetchLine(next, d);
-          PrefetchLine(next, d + kLanes);
-          const V x0 = E::Load(x + d), x1 = E::Load(x + d + kLanes);
-          if (kWrite) {
-            const V lo = grad(d, x0), hi = grad(d + kLanes, x1);
-            kStream ? StoreStream2(dv + d, lo, hi) : Store2(dv + d, lo, hi);
-          }
-          if (kAccumulateU) {
-            add_u(d, x0);
-            add_u(d + kLanes, x1);
-          }
-        },
-        [&](int64_t d, int64_t n) {
-          const V xv = Load(x + d, n);
-          if (kWrite) Store(dv + d, grad(d, xv), n);
-          if (kAccumulateU) add_u(d, xv);
-        });
+  [[gnu::noinline]] static void SourceGrads(void* const* grad_sources, int64_t grad_offset,
+                                            const void* const* sources, int64_t offset,
+                                            int64_t prefetch_offset, const A* g, const A* wg, const A* alpha,
+                                            const A* a, const A* b, int64_t num_sources,
+                                            A* u, int64_t dim) {
+    ForEachChunk(dim, [&](int64_t d, auto vectors, int64_t n) {
+      constexpr int K = decltype(vectors)::value;
+      V gv[K], wgv[K], uv[K] = {};
+      for (int k = 0; k < K; ++k) {
+        gv[k] = LoadA(g + d + k * kLanes);
+        wgv[k] = LoadA(wg + d + k * kLanes);
+      }
+      for (int64_t i = 0; i < num_sources; ++i) {
+        PrefetchChunk<K>(sources[i], prefetch_offset, d);
+        const T* x = static_cast<const T*>(sources[i]) + offset + d;
+        V xv[K];
+        for (int k = 0; k < K; ++k) xv[k] = Load(x + k * kLanes, n);
+        if (kAccumulateU) {
+          const V va = V{} + a[i];
+          for (int k = 0; k < K; ++k) uv[k] += va * xv[k];
+        }
+        if (kWrite && grad_sources[i] != nullptr) {
+          const V valpha = V{} + alpha[i], va = V{} + a[i], vb = V{} + b[i];
+          V dv[K];
+          for (int k = 0; k < K; ++k) dv[k] = valpha * gv[k] + va * wgv[k] + vb * xv[k];
+          StoreChunk<K>(static_cast<T*>(grad_sources[i]) + grad_offset + d, dv, n, kStream);
+        }
+      }
+      if (kAccumulateU) {
+        for (int k = 0; k < K; ++k) StoreA(u + d + k * kLanes, LoadA(u + d + k * kLanes) + uv[k]);
+      }
+    });
   }
 };
 
@@ -369,21 +408,18 @@ struct Stats {
   A* z;      // [tile, L] logits; in backward pass 2, b_i
   A* r;      // [tile, L] rms (1 without rmsnorm); in backward pass 2, a_i
   A* alpha;  // [tile, L]
-  A* ga;     // [tile, L] dot(g, v_i)
-  A* max_z;  // [tile] running max of z (forward)
-  A* denom;  // [tile] running softmax denominator (forward)
+  A* ga;     // [tile, L] dot(g, v_i) (backward)
   Stats(void* base, int64_t tile, int64_t num_sources) {
     A* p = static_cast<A*>(base);
     const int64_t n = tile * num_sources;
-    z = p; r = p + n; alpha = p + 2 * n; ga = p + 3 * n; max_z = p + 4 * n;
-    denom = max_z + tile;
+    z = p; r = p + n; alpha = p + 2 * n; ga = p + 3 * n;
   }
 };
 
-// The tile loops read source 0's rows of the tile, then source 1's, and so on.
-// NextRow is the row read after row j (of the tile starting at `begin`) of
-// source i: the next row of the run, else the first row of the next source's
-// run, else `after_last`.
+// Pass 1 reads source 0's rows of the tile, then source 1's, and so on. NextRow
+// is the row read after row j (of the tile starting at `begin`) of source i: the
+// next row of the run, else the first row of the next source's run, else
+// `after_last`.
 template <typename T>
 const T* NextRow(const CallInfo& info, int64_t i, int64_t j, int64_t begin, int64_t end,
                  const T* after_last) {
@@ -393,67 +429,86 @@ const T* NextRow(const CallInfo& info, int64_t i, int64_t j, int64_t begin, int6
   return after_last;
 }
 
+// The first row of this thread's next tile under the static schedule (this tile's
+// own when it is the last): what pass 1 prefetches after its last row.
+template <typename T>
+const T* NextTileRow(const CallInfo& info, int64_t begin, int64_t end) {
+  const attnres_params& p = *info.params;
+  return static_cast<const T*>(info.sources[0]) +
+         (end < p.num_tokens ? end : begin) * p.source_row_stride;
+}
+
+// Where row j of this thread's next tile starts in every source (elements), or -1
+// when there is no such row.
+inline int64_t NextTileOffset(const CallInfo& info, int64_t begin, int64_t end, int64_t j) {
+  const int64_t t = end + j;
+  const bool in_next_tile = t < info.params->num_tokens && j < end - begin;
+  return in_next_tile ? t * info.params->source_row_stride : -1;
+}
+
+// Whether rows at base + k * row_stride (elements of T) may take non-temporal stores.
+template <typename T>
+bool RowsStreamable(const void* base, int64_t row_stride) {
+  return Row<T>::Streamable(static_cast<const T*>(base)) &&
+         (row_stride * static_cast<int64_t>(sizeof(T))) % Row<T>::kStreamBytes == 0;
+}
+
+// alpha = softmax(z) over one token's L logits, as the reference: exp(z - max z),
+// so a NaN or infinite logit makes the token's weights NaN (that token only).
+template <typename A>
+void Softmax(const A* z, A* alpha, int64_t num_sources) {
+  A max_z = z[0];
+  for (int64_t i = 1; i < num_sources; ++i) max_z = z[i] > max_z ? z[i] : max_z;
+  A denom = 0;
+  for (int64_t i = 0; i < num_sources; ++i) denom += alpha[i] = Exp(z[i] - max_z);
+  const A inv_denom = A(1) / denom;
+  for (int64_t i = 0; i < num_sources; ++i) alpha[i] *= inv_denom;
+}
+
 template <typename T, bool kRmsNorm>
 void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin,
                      int64_t end) {
   using R = Row<T>;
   using A = typename R::A;
   const attnres_params& p = *info.params;
-  const int64_t dim = p.dim, L = info.num_sources, padded = info.padded_dim;
+  const int64_t dim = p.dim, L = info.num_sources;
   const int64_t n = end - begin;
   const A scale = static_cast<A>(p.scale), eps = static_cast<A>(p.eps);
   const A* wg = static_cast<const A*>(info.wg);
-  A* acc = static_cast<A*>(scratch.acc);
   Stats<A> st(scratch.stats, info.tile_tokens, L);
 
-  // After the tile: this thread's next tile, under the static schedule.
-  const T* first = static_cast<const T*>(info.sources[0]);
-  const T* after_last = first + (end < p.num_tokens ? end : begin) * p.source_row_stride;
+  // Pass 1: the logits.
+  const T* after_last = NextTileRow<T>(info, begin, end);
   for (int64_t i = 0; i < L; ++i) {
     const T* src = static_cast<const T*>(info.sources[i]) + begin * p.source_row_stride;
     for (int64_t j = 0; j < n; ++j) {
       const T* x = src + j * p.source_row_stride;
-      const T* next = NextRow(info, i, j, begin, end, after_last);
-      A* acc_j = acc + j * padded;
       A sum_sq = 0, dot = 0;
-      R::template Dots<kRmsNorm, false>(x, next, wg, nullptr, dim, &sum_sq, &dot, nullptr);
+      R::template Dots<kRmsNorm, false>(x, NextRow(info, i, j, begin, end, after_last), wg,
+                                        nullptr, dim, &sum_sq, &dot, nullptr);
       const A rms = kRmsNorm ? Sqrt(sum_sq / static_cast<A>(dim) + eps) : A(1);
-      const A z = scale * (dot / rms);
-      st.z[j * L + i] = z;
+      st.z[j * L + i] = scale * (dot / rms);
       st.r[j * L + i] = rms;
-      if (i == 0) {
-        st.max_z[j] = z;
-        st.denom[j] = 1;
-        R::template Accumulate<true, false>(acc_j, x, 0, 1, dim);
-      } else if (z > st.max_z[j]) {  // new max: rescale what is summed so far
-        const A c = Exp(st.max_z[j] - z);
-        st.max_z[j] = z;
-        st.denom[j] = st.denom[j] * c + 1;
-        R::template Accumulate<false, true>(acc_j, x, c, 1, dim);
-      } else {  // also the NaN path: exp(NaN) poisons this token only
-        const A e = Exp(z - st.max_z[j]);
-        st.denom[j] += e;
-        R::template Accumulate<false, false>(acc_j, x, 1, e, dim);
-      }
     }
   }
 
+  // Softmax, caches, and pass 2: the weighted sum, token by token.
   T* out = static_cast<T*>(p.out);
   A* rms_cache = static_cast<A*>(p.rms_cache);
   A* alpha_cache = static_cast<A*>(p.alpha_cache);
+  const bool stream = info.stream_stores && RowsStreamable<T>(out, p.out_row_stride);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t t = begin + j;
-    const A inv_denom = A(1) / st.denom[j];
-    R::StoreScaled(out + t * p.out_row_stride, acc + j * padded, inv_denom, dim,
-                   info.stream_stores);
+    A* alpha = st.alpha + j * L;
+    Softmax(st.z + j * L, alpha, L);
     for (int64_t i = 0; i < L; ++i) {
       if (rms_cache != nullptr) rms_cache[t * L + i] = st.r[j * L + i];
-      if (alpha_cache != nullptr) {
-        alpha_cache[t * L + i] = Exp(st.z[j * L + i] - st.max_z[j]) * inv_denom;
-      }
+      if (alpha_cache != nullptr) alpha_cache[t * L + i] = alpha[i];
     }
+    R::WeightedSum(out + t * p.out_row_stride, info.sources, t * p.source_row_stride,
+                   NextTileOffset(info, begin, end, j), alpha, L, dim, stream);
   }
-  if (info.stream_stores) R::FenceStreams();
+  if (stream) R::FenceStreams();
 }
 
 template <typename T, bool kRmsNorm>
@@ -478,17 +533,13 @@ void BackwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begi
   }
 
   // Pass 1: the three dot products of every source row.
-  // Pass 1 is followed by pass 2, which starts over at source 0; pass 2 by the
-  // next tile.
-  const T* first = static_cast<const T*>(info.sources[0]);
-  const T* pass2_first = first + begin * p.source_row_stride;
-  const T* next_tile = first + (end < p.num_tokens ? end : begin) * p.source_row_stride;
+  const T* after_last = NextTileRow<T>(info, begin, end);
   const bool need_sum_sq = kRmsNorm && rms_cache == nullptr;
   for (int64_t i = 0; i < L; ++i) {
     const T* src = static_cast<const T*>(info.sources[i]) + begin * p.source_row_stride;
     for (int64_t j = 0; j < n; ++j) {
       const T* x = src + j * p.source_row_stride;
-      const T* next = NextRow(info, i, j, begin, end, pass2_first);
+      const T* next = NextRow(info, i, j, begin, end, after_last);
       A sum_sq = 0, dot_wg = 0, dot_g = 0;
       if (need_sum_sq) {
         R::template Dots<true, true>(x, next, wg, g + j * padded, dim, &sum_sq, &dot_wg, &dot_g);
@@ -515,12 +566,7 @@ void BackwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begi
     if (alpha_cache != nullptr) {
       for (int64_t i = 0; i < L; ++i) alpha[i] = alpha_cache[(begin + j) * L + i];
     } else {
-      A max_z = z[0];
-      for (int64_t i = 1; i < L; ++i) max_z = z[i] > max_z ? z[i] : max_z;
-      A denom = 0;
-      for (int64_t i = 0; i < L; ++i) denom += alpha[i] = Exp(z[i] - max_z);
-      const A inv_denom = A(1) / denom;
-      for (int64_t i = 0; i < L; ++i) alpha[i] *= inv_denom;
+      Softmax(z, alpha, L);
     }
     // gz_i = alpha_i (ga_i - sum_k alpha_k ga_k), computed relative to the source
     // with the largest alpha: when the softmax is peaked, ga_i - mean is a small
@@ -538,35 +584,29 @@ void BackwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begi
     }
   }
 
-  // Pass 2: each source gradient row written once; U gathered on the way.
+  // Pass 2: every source gradient row written once, token by token; U on the way.
+  bool write = false, stream = info.stream_stores;
   for (int64_t i = 0; i < L; ++i) {
-    const T* src = static_cast<const T*>(info.sources[i]) + begin * p.source_row_stride;
-    T* dst = static_cast<T*>(info.grad_sources[i]);
-    for (int64_t j = 0; j < n; ++j) {
-      const T* x = src + j * p.source_row_stride;
-      const T* next = NextRow(info, i, j, begin, end, next_tile);
-      T* dv = dst != nullptr ? dst + (begin + j) * p.grad_source_row_stride : nullptr;
-      const A alpha = st.alpha[j * L + i], a = st.r[j * L + i], b = st.z[j * L + i];
-      const A* g_j = g + j * padded;
-      const bool stream = info.stream_stores && dv != nullptr && R::Streamable(dv);
-      if (dv != nullptr && u != nullptr) {
-        if (stream) {
-          R::template SourceGrad<true, true, true>(dv, x, next, g_j, wg, alpha, a, b, u, dim);
-        } else {
-          R::template SourceGrad<true, true, false>(dv, x, next, g_j, wg, alpha, a, b, u, dim);
-        }
-      } else if (dv != nullptr) {
-        if (stream) {
-          R::template SourceGrad<true, false, true>(dv, x, next, g_j, wg, alpha, a, b, u, dim);
-        } else {
-          R::template SourceGrad<true, false, false>(dv, x, next, g_j, wg, alpha, a, b, u, dim);
-        }
-      } else if (u != nullptr) {
-        R::template SourceGrad<false, true, false>(dv, x, next, g_j, wg, alpha, a, b, u, dim);
-      }
+    if (info.grad_sources[i] == nullptr) continue;
+    write = true;
+    stream = stream && RowsStreamable<T>(info.grad_sources[i], p.grad_source_row_stride);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t t = begin + j;
+    const auto grads = [&](auto kernel) {
+      kernel(info.grad_sources, t * p.grad_source_row_stride, info.sources,
+             t * p.source_row_stride, NextTileOffset(info, begin, end, j), g + j * padded, wg, st.alpha + j * L, st.r + j * L,
+             st.z + j * L, L, u, dim);
+    };
+    if (write && u != nullptr) {
+      grads(stream ? R::template SourceGrads<true, true, true> : R::template SourceGrads<true, true, false>);
+    } else if (write) {
+      grads(stream ? R::template SourceGrads<true, false, true> : R::template SourceGrads<true, false, false>);
+    } else if (u != nullptr) {
+      grads(R::template SourceGrads<false, true, false>);
     }
   }
-  if (info.stream_stores) R::FenceStreams();
+  if (stream && write) R::FenceStreams();
 }
 
 template <typename T>
