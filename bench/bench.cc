@@ -61,17 +61,28 @@ class Streams {
 
   // One read-only pass: an integer sum into 8 independent accumulators, which
   // the compiler vectorises (a float sum would be one dependent add per element
-  // and measure the adder; one accumulator measured ~15% less here).
+  // and measure the adder; one accumulator measured ~15% less on the EPYC), over
+  // 4 quarters of the thread's share read side by side, each line prefetched
+  // 1 KB ahead, as the kernels read L rows at once with a software prefetch.
+  // On a Xeon (2 threads) one plain sequential stream measured 26 GB/s, 4
+  // quarters 30, with the prefetch 33: the kernels beat the weaker streams.
   double ReadGbs(int threads) {
+    constexpr int kParts = 4;
+    constexpr int64_t kAheadWords = 1024 / sizeof(uint64_t);
     uint64_t total = 0;
     const double ms = TimeMs([&] {
 #pragma omp parallel num_threads(threads) reduction(+ : total)
       {
         const auto [begin, end] = Share(omp_get_thread_num(), threads);
+        const int64_t part = (end - begin) / kParts / 8 * 8;
         uint64_t sums[8] = {};
-        for (int64_t k = begin; k < end; k += 8) {
-          for (int j = 0; j < 8; ++j) sums[j] += a_[k + j];
+        for (int64_t k = begin; k < begin + part; k += 8) {
+          for (int q = 0; q < kParts; ++q) {
+            __builtin_prefetch(&a_[k + q * part + kAheadWords]);  // one line per 8 words
+            for (int j = 0; j < 8; ++j) sums[j] += a_[k + q * part + j];
+          }
         }
+        for (int64_t k = begin + kParts * part; k < end; ++k) sums[0] += a_[k];
         for (uint64_t s : sums) total += s;
       }
     });
