@@ -27,7 +27,8 @@ namespace attnres {
 namespace cpu {
 namespace {
 
-// Scratch rows are padded to this many bytes so that every variant runs whole vectors.
+// The widest vector of any variant; scratch rows are padded to two of them (the
+// kernels load and store vectors in pairs).
 constexpr int64_t kMaxVectorBytes = 64;
 // Bytes of all sources' rows of one tile: pass 2 rereads them, so they should
 // still be in L1 or L2 then. The software prefetch keeps memory streaming even
@@ -199,8 +200,9 @@ class Call {
     backward_ = backward;
     const int32_t dtype = p_.dtype;
     acc_bytes_ = AccumBytes(dtype);
-    const int64_t lanes = kMaxVectorBytes / acc_bytes_;
+    const int64_t lanes = 2 * kMaxVectorBytes / acc_bytes_;
     info_.params = &p_;
+    table_ = &Table();
     info_.num_sources = NumSources(p_);
     info_.padded_dim = (p_.dim + lanes - 1) / lanes * lanes;
     // (Divided in two steps: num_sources * dim * bytes can exceed int64.)
@@ -247,7 +249,7 @@ class Call {
           value = value * AsAcc(LoadScalar(p_.gamma, d, dtype), dtype);
         }
       }
-      StoreAcc(base_, d, value);
+      StoreAcc(base_, KernelRowIndex(d), value);
     }
     info_.wg = base_;
     u_rows_ = base_ + (padded + threads * per_thread_) * acc_bytes_;
@@ -262,15 +264,29 @@ class Call {
 
   void* ChunkU(int64_t chunk) const { return u_rows_ + chunk * info_.padded_dim * acc_bytes_; }
 
+  // U[d] of one chunk.
   double ChunkUValue(int64_t chunk, int64_t d) const {
     const void* u = ChunkU(chunk);
-    return acc_bytes_ == 8 ? static_cast<const double*>(u)[d]
-                           : static_cast<const float*>(u)[d];
+    const int64_t k = KernelRowIndex(d);
+    return acc_bytes_ == 8 ? static_cast<const double*>(u)[k]
+                           : static_cast<const float*>(u)[k];
   }
 
   const CallInfo& info() const { return info_; }
+  const KernelTable& table() const { return *table_; }
 
  private:
+  // Where element d of a row sits in the kernels' rows of A (w * gamma, U): the
+  // bf16 kernels keep each pair of vectors in unpack order (kernels.cc, Elem<Bf16>):
+  // words 0-3 of every 16-byte lane of the pair's 2 * lanes values in the first
+  // vector, words 4-7 in the second. With 16-byte vectors that is the identity.
+  int64_t KernelRowIndex(int64_t d) const {
+    const int64_t lanes = table_->vector_bytes / 4;
+    if (p_.dtype != ATTNRES_DTYPE_BFLOAT16 || lanes <= 4) return d;
+    const int64_t e = d % (2 * lanes), word = e % 8;
+    return d - e + (word / 4) * lanes + (e / 8) * 4 + word % 4;
+  }
+
   void StoreAcc(void* base, int64_t d, double value) const {
     if (acc_bytes_ == 8) {
       static_cast<double*>(base)[d] = value;
@@ -285,6 +301,7 @@ class Call {
   std::vector<void*> grad_sources_;
   int64_t acc_bytes_ = 4;
   bool backward_ = false;
+  const KernelTable* table_ = nullptr;  // the variant this call runs
   int64_t acc_elems_ = 0, per_thread_ = 0;
   char* base_ = nullptr;    // the thread arena
   char* u_rows_ = nullptr;  // [chunks, padded_dim]
@@ -332,7 +349,7 @@ attnres_status CpuForward(const attnres_params& p) {
   const int64_t num_tiles = (p.num_tokens + tile - 1) / tile;
   const int threads = cpu::ThreadsFor(num_tiles);
   if (attnres_status s = call.AllocateScratch(threads, 0); s != ATTNRES_OK) return s;
-  const cpu::TileFn forward = cpu::Table().forward[p.dtype];
+  const cpu::TileFn forward = call.table().forward[p.dtype];
   cpu::ParallelFor(threads, num_tiles, [&](int thread, int64_t tile_index) {
     const int64_t begin = tile_index * tile;
     forward(call.info(), call.ThreadScratch(thread), begin, std::min(begin + tile, p.num_tokens));
@@ -349,7 +366,7 @@ attnres_status CpuBackward(const attnres_params& p) {
   const bool weight_grads = p.grad_proj_weight != nullptr || p.grad_gamma != nullptr;
   const int64_t u_rows = weight_grads ? num_chunks : 0;
   if (attnres_status s = call.AllocateScratch(threads, u_rows); s != ATTNRES_OK) return s;
-  const cpu::TileFn backward = cpu::Table().backward[p.dtype];
+  const cpu::TileFn backward = call.table().backward[p.dtype];
   cpu::ParallelFor(threads, num_chunks, [&](int thread, int64_t chunk) {
     cpu::Scratch scratch = call.ThreadScratch(thread);
     scratch.u = weight_grads ? call.ChunkU(chunk) : nullptr;

@@ -75,6 +75,7 @@ template <> struct Elem<float> {
   using V = VecF;
   static V Load(const float* p) { V v; std::memcpy(&v, p, sizeof(v)); return v; }
   static void Store(float* p, V v) { std::memcpy(p, &v, sizeof(v)); }
+  static void Load2(const float* p, V& lo, V& hi) { lo = Load(p); hi = Load(p + sizeof(V) / sizeof(float)); }
   static void Store2(float* p, V lo, V hi) { Store(p, lo); Store(p + sizeof(V) / sizeof(float), hi); }
 };
 
@@ -83,28 +84,42 @@ template <> struct Elem<double> {
   using V = VecD;
   static V Load(const double* p) { V v; std::memcpy(&v, p, sizeof(v)); return v; }
   static void Store(double* p, V v) { std::memcpy(p, &v, sizeof(v)); }
+  static void Load2(const double* p, V& lo, V& hi) { lo = Load(p); hi = Load(p + sizeof(V) / sizeof(double)); }
   static void Store2(double* p, V lo, V hi) { Store(p, lo); Store(p + sizeof(V) / sizeof(double), hi); }
 };
 
-// bfloat16 is the top half of a float: widening is a shift; narrowing rounds to
-// nearest even and keeps NaN a (quiet) NaN and subnormals exact, as ToBf16 does.
+// bfloat16 is the top half of a float: widening puts its bits in the top half of a
+// 32-bit lane; narrowing rounds to nearest even and keeps NaN a (quiet) NaN and
+// subnormals exact, as ToBf16 does.
+//
+// Vectors come in pairs, in the "unpack" lane order: of the 2 * kLanes values
+// loaded, lo holds words 0-3 of every 16-byte lane of the input and hi words 4-7,
+// which is where vpunpcklwd / vpunpckhwd against zero put them (one instruction per
+// vector, no shift), and vpackusdw puts them back. The kernels keep w * gamma, g
+// and U in the same order (backend.cc: KernelRowIndex); with 16-byte vectors the
+// order is the identity.
 template <> struct Elem<Bf16> {
   using A = float;
   using V = VecF;
   static constexpr int kLanes = sizeof(V) / sizeof(float);
   static V Load(const Bf16* p) {
-#if defined(__AVX512F__)
-    // One vpmovzxwd from memory; the generic conversion below compiles to several
-    // shuffles per vector.
-    return reinterpret_cast<V>(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-#elif defined(__AVX2__)
-    return reinterpret_cast<V>(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-#else
     VecU16 h;
     std::memcpy(&h, p, sizeof(h));
     return reinterpret_cast<V>(__builtin_convertvector(h, VecU32) << 16);
+  }
+  static void Load2(const Bf16* p, V& lo, V& hi) {
+#if defined(__AVX512F__)
+    const __m512i x = _mm512_loadu_si512(p), zero = _mm512_setzero_si512();
+    lo = reinterpret_cast<V>(_mm512_unpacklo_epi16(zero, x));
+    hi = reinterpret_cast<V>(_mm512_unpackhi_epi16(zero, x));
+#elif defined(__AVX2__)
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                  zero = _mm256_setzero_si256();
+    lo = reinterpret_cast<V>(_mm256_unpacklo_epi16(zero, x));
+    hi = reinterpret_cast<V>(_mm256_unpackhi_epi16(zero, x));
+#else
+    lo = Load(p);
+    hi = Load(p + kLanes);
 #endif
   }
   // The bf16 bits of each lane, in the low half of a 32-bit lane.
@@ -118,29 +133,38 @@ template <> struct Elem<Bf16> {
     const VecU16 h = __builtin_convertvector(Bits(v), VecU16);
     std::memcpy(p, &h, sizeof(h));
   }
-  // Two vectors narrowed together: one pack (and one lane fix-up) for both.
+  // A pair in unpack order narrowed back to 2 * kLanes values in memory order.
   static void Store2(Bf16* p, V lo, V hi) {
 #if defined(__AVX512BF16__)
     // vcvtne2ps2bf16 rounds like Bits but flushes subnormals to zero: a pair with
     // a non-zero subnormal lane (rare) takes the integer path to stay exact.
-    // (vfpclassps category 0x20: denormal.)
+    // (vfpclassps category 0x20: denormal.) Its output is lo's 16 values then
+    // hi's; vpermw interleaves them back by 16-byte lane.
     const __mmask16 subnormal = _mm512_fpclass_ps_mask(reinterpret_cast<__m512>(lo), 0x20) |
                                 _mm512_fpclass_ps_mask(reinterpret_cast<__m512>(hi), 0x20);
     if (subnormal == 0) {
-      const __m512bh packed = _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(hi), reinterpret_cast<__m512>(lo));
-      std::memcpy(p, &packed, sizeof(packed));
+      const __m512i packed = reinterpret_cast<__m512i>(
+          _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(hi), reinterpret_cast<__m512>(lo)));
+      // Output word 8 l + w comes from lo's slot 4 l + w (w < 4), else hi's 4 l + w - 4.
+      const __m512i order = _mm512_set_epi16(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8,
+                                             23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+      const __m512i ordered = _mm512_permutexvar_epi16(order, packed);
+      std::memcpy(p, &ordered, sizeof(ordered));
       return;
     }
-#elif defined(__AVX2__) && !defined(__AVX512F__)
-    // packus interleaves the two inputs by 128-bit lane; the permute restores order.
+#endif
+#if defined(__AVX512F__)
+    const __m512i packed = _mm512_packus_epi32(reinterpret_cast<__m512i>(Bits(lo)),
+                                               reinterpret_cast<__m512i>(Bits(hi)));
+    std::memcpy(p, &packed, sizeof(packed));
+#elif defined(__AVX2__)
     const __m256i packed = _mm256_packus_epi32(reinterpret_cast<__m256i>(Bits(lo)),
                                                reinterpret_cast<__m256i>(Bits(hi)));
-    const __m256i ordered = _mm256_permute4x64_epi64(packed, 0xD8);
-    std::memcpy(p, &ordered, sizeof(ordered));
-    return;
-#endif
+    std::memcpy(p, &packed, sizeof(packed));
+#else
     Store(p, lo);
     Store(p + kLanes, hi);
+#endif
   }
 };
 
@@ -158,6 +182,7 @@ template <> struct Elem<F16> {
     const VecH h = __builtin_convertvector(v, VecH);
     std::memcpy(p, &h, sizeof(h));
   }
+  static void Load2(const F16* p, V& lo, V& hi) { lo = Load(p); hi = Load(p + sizeof(V) / sizeof(float)); }
   static void Store2(F16* p, V lo, V hi) { Store(p, lo); Store(p + sizeof(V) / sizeof(float), hi); }
 };
 
@@ -172,19 +197,22 @@ struct Row {
   using V = typename E::V;
   static constexpr int64_t kLanes = kVectorBytes / sizeof(A);
 
-  static V Load(const T* p, int64_t n) {
-    if (n >= kLanes) return E::Load(p);
-    T buf[kLanes] = {};
+  // A pair of vectors: 2 * kLanes elements, or the n < 2 * kLanes left at the end
+  // of a row, staged through a zero-padded buffer (no scalar tail loop).
+  static constexpr int64_t kPair = 2 * kLanes;
+  static void Load2(const T* p, int64_t n, V& lo, V& hi) {
+    if (n >= kPair) return E::Load2(p, lo, hi);
+    T buf[kPair] = {};
     std::memcpy(buf, p, n * sizeof(T));
-    return E::Load(buf);
+    E::Load2(buf, lo, hi);
   }
-  static void Store(T* p, V v, int64_t n) {
-    if (n >= kLanes) return E::Store(p, v);
-    T buf[kLanes];
-    E::Store(buf, v);
+  static void Store2(T* p, V lo, V hi, int64_t n) {
+    if (n >= kPair) return E::Store2(p, lo, hi);
+    T buf[kPair];
+    E::Store2(buf, lo, hi);
     std::memcpy(p, buf, n * sizeof(T));
   }
-  static void Store2(T* p, V lo, V hi) { E::Store2(p, lo, hi); }
+
 
   // Two whole vectors stored past the caches (p aligned to kStreamBytes): a large
   // output is not read again soon, and a normal store would first read every
@@ -229,42 +257,36 @@ struct Row {
   static V LoadA(const A* p) { V v; std::memcpy(&v, p, sizeof(v)); return v; }
   static void StoreA(A* p, V v) { std::memcpy(p, &v, sizeof(v)); }
 
-  // step(d, n) for every vector of a row: whole vectors (n == kLanes, a constant
-  // once inlined, so Load/Store lose their tail test), then the partial last
-  // vector if there is one.
-  template <typename Step>
-  static void ForEachVector(int64_t dim, const Step& step) {
-    int64_t d = 0;
-    for (; d + kLanes <= dim; d += kLanes) step(d, kLanes);
-    if (d < dim) step(d, dim - d);
-  }
-
   // step(d, vectors, n) for every chunk of a row: kChunkVectors whole vectors at a
-  // time, then single vectors, the last one with its n <= kLanes lanes. `vectors`
-  // is a std::integral_constant, so each step sizes its register arrays at compile
-  // time.
+  // time, then pairs, the last one with its n <= kPair elements (n is the size of
+  // the chunk's last pair). `vectors` is a std::integral_constant, so each step
+  // sizes its register arrays at compile time.
   static constexpr int kChunkVectors = 4;
   template <typename Step>
   ATTNRES_INLINE static void ForEachChunk(int64_t dim, const Step& step) {
     int64_t d = 0;
     for (; d + kChunkVectors * kLanes <= dim; d += kChunkVectors * kLanes) {
-      step(d, std::integral_constant<int, kChunkVectors>{}, kLanes);
+      step(d, std::integral_constant<int, kChunkVectors>{}, kPair);
     }
-    for (; d < dim; d += kLanes) {
-      step(d, std::integral_constant<int, 1>{}, dim - d < kLanes ? dim - d : kLanes);
-    }
+    for (; d < dim; d += kPair) step(d, std::integral_constant<int, 2>{}, dim - d < kPair ? dim - d : kPair);
   }
 
-  // Stores K vectors (K == kChunkVectors, or 1 with n lanes) at p: in pairs, past
-  // the caches when `stream`.
+  // The K vectors of a chunk at p, as ForEachChunk's step gets them.
+  template <int K>
+  static void LoadChunk(const T* p, int64_t n, V (&v)[K]) {
+    for (int k = 0; k < K; k += 2) Load2(p + k * kLanes, k + 2 == K ? n : kPair, v[k], v[k + 1]);
+  }
+
+  // Stores the K vectors of a chunk at p, past the caches when `stream` (the last
+  // pair of a row, when short, takes normal stores).
   template <int K>
   static void StoreChunk(T* p, const V (&v)[K], int64_t n, bool stream) {
-    if constexpr (K == 1) {
-      Store(p, v[0], n);
-    } else {
-      static_assert(K % 2 == 0);
-      for (int k = 0; k < K; k += 2) {
-        stream ? StoreStream2(p + k * kLanes, v[k], v[k + 1]) : Store2(p + k * kLanes, v[k], v[k + 1]);
+    for (int k = 0; k < K; k += 2) {
+      const int64_t m = k + 2 == K ? n : kPair;
+      if (stream && m == kPair) {
+        StoreStream2(p + k * kLanes, v[k], v[k + 1]);
+      } else {
+        Store2(p + k * kLanes, v[k], v[k + 1], m);
       }
     }
   }
@@ -314,18 +336,17 @@ struct Row {
     for (; d + 4 * kLanes <= dim; d += 4 * kLanes) {
       PrefetchLine(next, d);
       PrefetchLine(next, d + 2 * kLanes);
-      add(d, E::Load(x + d), E::Load(x + d + kLanes));
-      add(d + 2 * kLanes, E::Load(x + d + 2 * kLanes), E::Load(x + d + 3 * kLanes));
+      V x0, x1, x2, x3;
+      E::Load2(x + d, x0, x1);
+      E::Load2(x + d + 2 * kLanes, x2, x3);
+      add(d, x0, x1);
+      add(d + 2 * kLanes, x2, x3);
     }
-    for (; d + 2 * kLanes <= dim; d += 2 * kLanes) {
+    for (; d < dim; d += kPair) {  // the last pair, whole or short
       PrefetchLine(next, d);
-      add(d, E::Load(x + d), E::Load(x + d + kLanes));
-    }
-    for (; d < dim; d += kLanes) {
-      const V x0 = Load(x + d, dim - d);
-      w0 += x0 * LoadA(wg + d);
-      if (kSumSq) sq0 += x0 * x0;
-      if (kDotG) g0 += x0 * LoadA(g + d);
+      V x0, x1;
+      Load2(x + d, dim - d, x0, x1);
+      add(d, x0, x1);
     }
     *dot_wg = Sum(w0 + w1);
     if (kSumSq) *sum_sq = Sum(sq0 + sq1);
@@ -356,14 +377,21 @@ struct Row {
         PrefetchChunk<K>(sources[i], prefetch_offset, d);
         const T* x = static_cast<const T*>(sources[i]) + offset + d;
         const V weight = V{} + alpha[i];
-        for (int k = 0; k < K; ++k) sum[k] += weight * Load(x + k * kLanes, n);
+        V xv[K];
+        LoadChunk<K>(x, n, xv);
+        for (int k = 0; k < K; ++k) sum[k] += weight * xv[k];
       }
       StoreChunk<K>(out + d, sum, n, stream);
     });
   }
 
   static void Widen(A* dst, const T* src, int64_t dim) {
-    ForEachVector(dim, [&](int64_t d, int64_t n) { StoreA(dst + d, Load(src + d, n)); });
+    for (int64_t d = 0; d < dim; d += kPair) {
+      V lo, hi;
+      Load2(src + d, dim - d, lo, hi);
+      StoreA(dst + d, lo);
+      StoreA(dst + d + kLanes, hi);
+    }
   }
 
   // Backward pass 2 of one token: dv_i = alpha_i g + a_i wg + b_i v_i for every
@@ -389,7 +417,7 @@ struct Row {
         PrefetchChunk<K>(sources[i], prefetch_offset, d);
         const T* x = static_cast<const T*>(sources[i]) + offset + d;
         V xv[K];
-        for (int k = 0; k < K; ++k) xv[k] = Load(x + k * kLanes, n);
+        LoadChunk<K>(x, n, xv);
         if (kAccumulateU) {
           const V va = V{} + a[i];
           for (int k = 0; k < K; ++k) uv[k] += va * xv[k];
@@ -452,10 +480,12 @@ inline int64_t NextTileOffset(const CallInfo& info, int64_t begin, int64_t end, 
 }
 
 // Whether rows at base + k * row_stride (elements of T) may take non-temporal stores.
+// (In elements: a valid stride of a one-row buffer can be any int64, too large to
+// convert to bytes.)
 template <typename T>
 bool RowsStreamable(const void* base, int64_t row_stride) {
   return Row<T>::Streamable(static_cast<const T*>(base)) &&
-         (row_stride * static_cast<int64_t>(sizeof(T))) % Row<T>::kStreamBytes == 0;
+         row_stride % (Row<T>::kStreamBytes / static_cast<int64_t>(sizeof(T))) == 0;
 }
 
 // alpha = softmax(z) over one token's L logits, as the reference: exp(z - max z),
@@ -599,7 +629,8 @@ void BackwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begi
   for (int64_t j = 0; j < n; ++j) {
     const int64_t t = begin + j;
     const auto grads = [&](auto kernel) {
-      kernel(info.grad_sources, t * p.grad_source_row_stride, info.sources,
+      // (grad_source_row_stride is only validated when a gradient row is written.)
+      kernel(info.grad_sources, write ? t * p.grad_source_row_stride : 0, info.sources,
              t * p.source_row_stride, NextTileOffset(info, begin, end, j), g + j * padded, wg, st.alpha + j * L, st.r + j * L,
              st.z + j * L, L, u, dim);
     };
