@@ -9,9 +9,10 @@
 // Per token, with L sources v_i of D elements and wg = w * gamma, a tile of tokens
 // is done in two passes:
 //   pass 1 - reads every source row of the tile once from memory, source by source
-//            (all of the tile's rows of source 0, then of source 1, ...), so memory
-//            sees long runs of each source instead of L interleaved 1-row runs; it
-//            computes sum(v^2), dot(wg, v) and, in the backward, dot(g, v).
+//            (all of the tile's rows of source 0, then of source 1, ...), each row
+//            prefetching the next; it computes sum(v^2), dot(wg, v) and, in the
+//            backward, dot(g, v). A tile is small (backend.cc: kTileSourceBytes)
+//            so that pass 2 finds its rows in L1/L2.
 //   then   - the softmax (forward) or its backward, a few scalars per source;
 //   pass 2 - token by token, rereads the tile's sources from cache, a chunk of a few
 //            vectors of every source at a time with the sums in registers:
