@@ -50,6 +50,10 @@ def _worker(rank: int, port: int, out_path: str) -> None:
         _sgd_step(ddp, lm_loss(ddp, shard))
         if rank == 0:
             torch.save({k: v.detach() for k, v in model.state_dict().items()}, out_path)
+        # Both ranks done before either tears down: a rank whose peer had already
+        # closed its gloo connections aborted once in CI ("terminate called without
+        # an active exception", SIGABRT) after its own work had finished.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
