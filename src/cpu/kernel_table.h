@@ -19,7 +19,7 @@ namespace attnres::cpu {
 struct CallInfo {
   const attnres_params* params;
   int64_t num_sources;         // L
-  int64_t padded_dim;          // dim rounded up to the widest vector
+  int64_t padded_dim;          // dim rounded up to two of the widest vectors (a pair)
   int64_t tile_tokens;         // tokens per tile: pass 2 rereads the tile's rows from cache
   const void* const* sources;  // [L] blocks then partial
   void* const* grad_sources;   // [L] (backward; entries may be null)
