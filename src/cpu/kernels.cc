@@ -256,6 +256,9 @@ struct Row {
   }
 
   static V LoadA(const A* p) { V v; std::memcpy(&v, p, sizeof(v)); return v; }
+  // x in every lane. (Not V{} + x: 0 + x is not x for x = -0, so that costs an add
+  // and a register broadcast per use; x - 0 is x, and compiles to one broadcast load.)
+  static V Splat(A x) { return x - V{}; }
   static void StoreA(A* p, V v) { std::memcpy(p, &v, sizeof(v)); }
 
   // step(d, vectors, n) for every chunk of a row: kChunkVectors whole vectors at a
@@ -313,7 +316,8 @@ struct Row {
   }
 
   // One read of x: sum(x^2) (if kSumSq), dot(wg, x), and dot(g, x) (if kDotG),
-  // prefetching `next`, the row the caller reads after this one, at the same pace.
+  // prefetching `next`, the row the caller reads after this one, at the same pace,
+  // into L1, and `ahead` (a row of the next tile, or null) into L2.
   // The hardware prefetchers alone leave too few lines in flight once a loop does
   // more than load (in a standalone test, 0.7-0.9 of a plain sum's bandwidth, and
   // 0.98 with this prefetch); one row ahead (1.5-16 KB) covers the latency.
@@ -322,8 +326,8 @@ struct Row {
   // of registers and kept accumulators on the stack, a store-to-load chain per
   // iteration that cost ~3x. One call per row of D elements is free in comparison.
   template <bool kSumSq, bool kDotG>
-  [[gnu::noinline]] static void Dots(const T* x, const T* next, const A* wg, const A* g,
-                                     int64_t dim, A* sum_sq, A* dot_wg, A* dot_g) {
+  [[gnu::noinline]] static void Dots(const T* x, const T* next, const T* ahead, const A* wg,
+                                     const A* g, int64_t dim, A* sum_sq, A* dot_wg, A* dot_g) {
     V sq0 = {}, sq1 = {}, w0 = {}, w1 = {}, g0 = {}, g1 = {};
     auto add = [&](int64_t d, V x0, V x1) {
       w0 += x0 * LoadA(wg + d);
@@ -337,6 +341,10 @@ struct Row {
     for (; d + 4 * kLanes <= dim; d += 4 * kLanes) {
       PrefetchLine(next, d);
       PrefetchLine(next, d + 2 * kLanes);
+      if (ahead != nullptr) {
+        PrefetchLine<2>(ahead, d);
+        PrefetchLine<2>(ahead, d + 2 * kLanes);
+      }
       V x0, x1, x2, x3;
       E::Load2(x + d, x0, x1);
       E::Load2(x + d + 2 * kLanes, x2, x3);
@@ -345,6 +353,7 @@ struct Row {
     }
     for (; d < dim; d += kPair) {  // the last pair, whole or short
       PrefetchLine(next, d);
+      if (ahead != nullptr) PrefetchLine<2>(ahead, d);
       V x0, x1;
       Load2(x + d, dim - d, x0, x1);
       add(d, x0, x1);
@@ -377,7 +386,7 @@ struct Row {
       for (int64_t i = 0; i < num_sources; ++i) {
         PrefetchChunk<K>(sources[i], prefetch_offset, d);
         const T* x = static_cast<const T*>(sources[i]) + offset + d;
-        const V weight = V{} + alpha[i];
+        const V weight = Splat(alpha[i]);
         V xv[K];
         LoadChunk<K>(x, n, xv);
         for (int k = 0; k < K; ++k) sum[k] += weight * xv[k];
@@ -420,11 +429,11 @@ struct Row {
         V xv[K];
         LoadChunk<K>(x, n, xv);
         if (kAccumulateU) {
-          const V va = V{} + a[i];
+          const V va = Splat(a[i]);
           for (int k = 0; k < K; ++k) uv[k] += va * xv[k];
         }
         if (kWrite && grad_sources[i] != nullptr) {
-          const V valpha = V{} + alpha[i], va = V{} + a[i], vb = V{} + b[i];
+          const V valpha = Splat(alpha[i]), va = Splat(a[i]), vb = Splat(b[i]);
           V dv[K];
           for (int k = 0; k < K; ++k) dv[k] = valpha * gv[k] + va * wgv[k] + vb * xv[k];
           StoreChunk<K>(static_cast<T*>(grad_sources[i]) + grad_offset + d, dv, n, kStream);
@@ -480,6 +489,7 @@ inline int64_t NextTileOffset(const CallInfo& info, int64_t begin, int64_t end, 
   return in_next_tile ? t * info.params->source_row_stride : -1;
 }
 
+
 // Whether rows at base + k * row_stride (elements of T) may take non-temporal stores.
 // (In elements: a valid stride of a one-row buffer can be any int64, too large to
 // convert to bytes.)
@@ -520,7 +530,7 @@ void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin
     for (int64_t j = 0; j < n; ++j) {
       const T* x = src + j * p.source_row_stride;
       A sum_sq = 0, dot = 0;
-      R::template Dots<kRmsNorm, false>(x, NextRow(info, i, j, begin, end, after_last), wg,
+      R::template Dots<kRmsNorm, false>(x, NextRow(info, i, j, begin, end, after_last), nullptr, wg,
                                         nullptr, dim, &sum_sq, &dot, nullptr);
       const A rms = kRmsNorm ? Sqrt(sum_sq / static_cast<A>(dim) + eps) : A(1);
       st.z[j * L + i] = scale * (dot / rms);
@@ -576,11 +586,17 @@ void BackwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begi
     for (int64_t j = 0; j < n; ++j) {
       const T* x = src + j * p.source_row_stride;
       const T* next = NextRow(info, i, j, begin, end, after_last);
+      // While it reads source 0, pass 1 asks for the next tile's grad_out rows
+      // (which Widen above would otherwise wait for; pass 2 asks for the sources).
+      const int64_t t_ahead = end + j;
+      const T* ahead = i == 0 && t_ahead < p.num_tokens && j < n
+                           ? grad_out + t_ahead * p.grad_out_row_stride
+                           : nullptr;
       A sum_sq = 0, dot_wg = 0, dot_g = 0;
       if (need_sum_sq) {
-        R::template Dots<true, true>(x, next, wg, g + j * padded, dim, &sum_sq, &dot_wg, &dot_g);
+        R::template Dots<true, true>(x, next, ahead, wg, g + j * padded, dim, &sum_sq, &dot_wg, &dot_g);
       } else {
-        R::template Dots<false, true>(x, next, wg, g + j * padded, dim, nullptr, &dot_wg, &dot_g);
+        R::template Dots<false, true>(x, next, ahead, wg, g + j * padded, dim, nullptr, &dot_wg, &dot_g);
       }
       A rms = 1;
       if (kRmsNorm) {
