@@ -230,8 +230,11 @@ class Call {
   // the backward, `chunks` zeroed rows of U.
   attnres_status AllocateScratch(int threads, int64_t chunks) {
     const int64_t tile = info_.tile_tokens, L = info_.num_sources, padded = info_.padded_dim;
-    acc_elems_ = backward_ ? tile * padded : 0;  // the backward's widened grad_out rows
-    const int64_t stats_elems = 4 * tile * L;
+    // The backward pipelines two tiles (kernels.cc: BackwardPipeline), each with
+    // its widened grad_out rows and stats.
+    const int64_t tiles_in_flight = backward_ ? 2 : 1;
+    acc_elems_ = backward_ ? tiles_in_flight * tile * padded : 0;
+    const int64_t stats_elems = tiles_in_flight * 4 * tile * L;
     per_thread_ = acc_elems_ + (stats_elems + 15) / 16 * 16;  // keep 64-byte alignment
     const int64_t elems = padded + threads * per_thread_ + chunks * padded;
     base_ = static_cast<char*>(ThreadArena(elems * acc_bytes_));
@@ -349,7 +352,7 @@ attnres_status CpuForward(const attnres_params& p) {
   const int64_t num_tiles = (p.num_tokens + tile - 1) / tile;
   const int threads = cpu::ThreadsFor(num_tiles);
   if (attnres_status s = call.AllocateScratch(threads, 0); s != ATTNRES_OK) return s;
-  const cpu::TileFn forward = call.table().forward[p.dtype];
+  const cpu::RangeFn forward = call.table().forward[p.dtype];
   cpu::ParallelFor(threads, num_tiles, [&](int thread, int64_t tile_index) {
     const int64_t begin = tile_index * tile;
     forward(call.info(), call.ThreadScratch(thread), begin, std::min(begin + tile, p.num_tokens));
@@ -360,20 +363,17 @@ attnres_status CpuForward(const attnres_params& p) {
 attnres_status CpuBackward(const attnres_params& p) {
   cpu::Call call(p);
   call.Prepare(/*backward=*/true);
-  const int64_t tile = call.info().tile_tokens;
   const int64_t num_chunks = (p.num_tokens + cpu::kChunkTokens - 1) / cpu::kChunkTokens;
   const int threads = cpu::ThreadsFor(num_chunks);
   const bool weight_grads = p.grad_proj_weight != nullptr || p.grad_gamma != nullptr;
   const int64_t u_rows = weight_grads ? num_chunks : 0;
   if (attnres_status s = call.AllocateScratch(threads, u_rows); s != ATTNRES_OK) return s;
-  const cpu::TileFn backward = call.table().backward[p.dtype];
+  const cpu::RangeFn backward = call.table().backward[p.dtype];
   cpu::ParallelFor(threads, num_chunks, [&](int thread, int64_t chunk) {
     cpu::Scratch scratch = call.ThreadScratch(thread);
     scratch.u = weight_grads ? call.ChunkU(chunk) : nullptr;
     const int64_t chunk_end = std::min((chunk + 1) * cpu::kChunkTokens, p.num_tokens);
-    for (int64_t begin = chunk * cpu::kChunkTokens; begin < chunk_end; begin += tile) {
-      backward(call.info(), scratch, begin, std::min(begin + tile, chunk_end));
-    }
+    backward(call.info(), scratch, chunk * cpu::kChunkTokens, chunk_end);
   });
 
   if (weight_grads) {

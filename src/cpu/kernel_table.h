@@ -30,22 +30,24 @@ struct CallInfo {
 // Scratch of one thread, in units of A, 64-byte aligned (Call::AllocateScratch
 // in backend.cc lays it out).
 struct Scratch {
-  void* acc;    // [tile, padded_dim] (backward): the tile's grad_out rows in A
-  void* stats;  // [4, tile, L]: z, r, alpha, dot(g, v)
+  void* acc;    // [2, tile, padded_dim] (backward): two tiles' grad_out rows in A
+  void* stats;  // [4, tile, L] (forward), [2, 4, tile, L] (backward): z, r, alpha, dot(g, v)
   void* u;      // [padded_dim] (backward): this chunk's share of U, or null for no dw/dgamma
 };
 
-// Tokens [begin, end) of one call, end - begin <= tile_tokens. Forward writes out
-// and the requested caches; backward writes the requested source gradients and
-// adds this range's U to scratch.u (which the caller zeroed).
-using TileFn = void (*)(const CallInfo& info, const Scratch& scratch, int64_t begin,
-                        int64_t end);
+// Tokens [begin, end) of one call. Forward: one tile (end - begin <= tile_tokens),
+// writes out and the requested caches. Backward: one chunk (kChunkTokens, the unit
+// of the deterministic dw/dgamma sum), tiled inside as a pipeline of two tiles;
+// writes the requested source gradients and adds the chunk's U to scratch.u
+// (which the caller zeroed).
+using RangeFn = void (*)(const CallInfo& info, const Scratch& scratch, int64_t begin,
+                         int64_t end);
 
 struct KernelTable {
   const char* name;
   int vector_bytes;
-  TileFn forward[4];   // indexed by attnres_dtype
-  TileFn backward[4];
+  RangeFn forward[4];   // indexed by attnres_dtype
+  RangeFn backward[4];
 };
 
 // One per compiled variant; null when the variant is not compiled in.

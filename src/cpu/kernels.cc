@@ -22,6 +22,7 @@
 //            Nothing but the outputs is stored: an accumulator row in memory would
 //            be read and written once per source (3x the source bytes in cache
 //            traffic), which is what limited the single-pass forward.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -137,19 +138,23 @@ template <> struct Elem<Bf16> {
   // A pair in unpack order narrowed back to 2 * kLanes values in memory order.
   static void Store2(Bf16* p, V lo, V hi) {
 #if defined(__AVX512BF16__)
-    // vcvtne2ps2bf16 rounds like Bits but flushes subnormals to zero: a pair with
-    // a non-zero subnormal lane (rare) takes the integer path to stay exact.
-    // (vfpclassps category 0x20: denormal.) Its output is lo's 16 values then
-    // hi's; vpermw interleaves them back by 16-byte lane.
-    const __mmask16 subnormal = _mm512_fpclass_ps_mask(reinterpret_cast<__m512>(lo), 0x20) |
-                                _mm512_fpclass_ps_mask(reinterpret_cast<__m512>(hi), 0x20);
-    if (subnormal == 0) {
-      const __m512i packed = reinterpret_cast<__m512i>(
-          _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(hi), reinterpret_cast<__m512>(lo)));
+    // vcvtne2ps2bf16 rounds like Bits but flushes subnormals to zero. A normal
+    // float never rounds to a bf16 zero, so only a pair with a zero result can
+    // have lost one: then vfpclassps (category 0x20: denormal) tells, and a pair
+    // holding a non-zero subnormal (rare) takes the integer path to stay exact.
+    // One test of the result instead of two vfpclassps per pair: both run on the
+    // shuffle port, which the backward's pass 2 keeps busy. The output is lo's 16
+    // values then hi's; vpermw interleaves them back by 16-byte lane.
+    const __m512i rounded = reinterpret_cast<__m512i>(
+        _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(hi), reinterpret_cast<__m512>(lo)));
+    const bool exact = _mm512_testn_epi16_mask(rounded, _mm512_set1_epi16(0x7FFF)) == 0 ||
+                       (_mm512_fpclass_ps_mask(reinterpret_cast<__m512>(lo), 0x20) |
+                        _mm512_fpclass_ps_mask(reinterpret_cast<__m512>(hi), 0x20)) == 0;
+    if (exact) {
       // Output word 8 l + w comes from lo's slot 4 l + w (w < 4), else hi's 4 l + w - 4.
       const __m512i order = _mm512_set_epi16(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8,
                                              23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-      const __m512i ordered = _mm512_permutexvar_epi16(order, packed);
+      const __m512i ordered = _mm512_permutexvar_epi16(order, rounded);
       std::memcpy(p, &ordered, sizeof(ordered));
       return;
     }
@@ -261,18 +266,21 @@ struct Row {
   static V Splat(A x) { return x - V{}; }
   static void StoreA(A* p, V v) { std::memcpy(p, &v, sizeof(v)); }
 
-  // step(d, vectors, n) for every chunk of a row: kChunkVectors whole vectors at a
-  // time, then pairs, the last one with its n <= kPair elements (n is the size of
-  // the chunk's last pair). `vectors` is a std::integral_constant, so each step
-  // sizes its register arrays at compile time.
+  // step(d, vectors, n) for every chunk of elements [d_begin, d_end) of a row of
+  // dim: kChunkVectors whole vectors at a time, then pairs, the last one with its
+  // n <= kPair elements (n is the size of the chunk's last pair). d_begin and
+  // d_end are multiples of kChunkElems, or d_end is dim. `vectors` is a
+  // std::integral_constant, so each step sizes its register arrays at compile time.
   static constexpr int kChunkVectors = 4;
+  static constexpr int64_t kChunkElems = kChunkVectors * kLanes;
   template <typename Step>
-  ATTNRES_INLINE static void ForEachChunk(int64_t dim, const Step& step) {
-    int64_t d = 0;
-    for (; d + kChunkVectors * kLanes <= dim; d += kChunkVectors * kLanes) {
+  ATTNRES_INLINE static void ForEachChunk(int64_t d_begin, int64_t d_end, int64_t dim,
+                                          const Step& step) {
+    int64_t d = d_begin;
+    for (; d + kChunkElems <= d_end; d += kChunkElems) {
       step(d, std::integral_constant<int, kChunkVectors>{}, kPair);
     }
-    for (; d < dim; d += kPair) step(d, std::integral_constant<int, 2>{}, dim - d < kPair ? dim - d : kPair);
+    for (; d < d_end; d += kPair) step(d, std::integral_constant<int, 2>{}, dim - d < kPair ? dim - d : kPair);
   }
 
   // The K vectors of a chunk at p, as ForEachChunk's step gets them.
@@ -328,12 +336,16 @@ struct Row {
   template <bool kSumSq, bool kDotG>
   [[gnu::noinline]] static void Dots(const T* x, const T* next, const T* ahead, const A* wg,
                                      const A* g, int64_t dim, A* sum_sq, A* dot_wg, A* dot_g) {
-    V sq0 = {}, sq1 = {}, w0 = {}, w1 = {}, g0 = {}, g1 = {};
-    auto add = [&](int64_t d, V x0, V x1) {
-      w0 += x0 * LoadA(wg + d);
-      w1 += x1 * LoadA(wg + d + kLanes);
-      if (kSumSq) { sq0 += x0 * x0; sq1 += x1 * x1; }
-      if (kDotG) { g0 += x0 * LoadA(g + d); g1 += x1 * LoadA(g + d + kLanes); }
+    // Independent accumulators, so that no FMA waits for the one before it: one
+    // per vector of an iteration where there are registers for them (two chained
+    // FMAs per accumulator and iteration had made the loop latency-bound).
+    constexpr int kAcc = kVectorBytes == 64 ? 4 : 2;
+    V sq[kAcc] = {}, w[kAcc] = {}, gx[kAcc] = {};
+    auto add = [&](int a, int64_t d, V x0, V x1) {
+      w[a] += x0 * LoadA(wg + d);
+      w[a + 1] += x1 * LoadA(wg + d + kLanes);
+      if (kSumSq) { sq[a] += x0 * x0; sq[a + 1] += x1 * x1; }
+      if (kDotG) { gx[a] += x0 * LoadA(g + d); gx[a + 1] += x1 * LoadA(g + d + kLanes); }
     };
     int64_t d = 0;
     // Four vectors per iteration (a whole line of bf16 on AVX2): fewer loop and
@@ -348,19 +360,24 @@ struct Row {
       V x0, x1, x2, x3;
       E::Load2(x + d, x0, x1);
       E::Load2(x + d + 2 * kLanes, x2, x3);
-      add(d, x0, x1);
-      add(d + 2 * kLanes, x2, x3);
+      add(0, d, x0, x1);
+      add(kAcc - 2, d + 2 * kLanes, x2, x3);
     }
     for (; d < dim; d += kPair) {  // the last pair, whole or short
       PrefetchLine(next, d);
       if (ahead != nullptr) PrefetchLine<2>(ahead, d);
       V x0, x1;
       Load2(x + d, dim - d, x0, x1);
-      add(d, x0, x1);
+      add(0, d, x0, x1);
     }
-    *dot_wg = Sum(w0 + w1);
-    if (kSumSq) *sum_sq = Sum(sq0 + sq1);
-    if (kDotG) *dot_g = Sum(g0 + g1);
+    const auto total = [](const V (&acc)[kAcc]) {
+      V t = acc[0];
+      for (int a = 1; a < kAcc; ++a) t += acc[a];
+      return Sum(t);
+    };
+    *dot_wg = total(w);
+    if (kSumSq) *sum_sq = total(sq);
+    if (kDotG) *dot_g = total(gx);
   }
 
   // Pass 2 reads only from cache, so memory would idle while it computes: it asks
@@ -380,7 +397,7 @@ struct Row {
   [[gnu::noinline]] static void WeightedSum(T* out, const void* const* sources, int64_t offset,
                                             int64_t prefetch_offset, const A* alpha,
                                             int64_t num_sources, int64_t dim, bool stream) {
-    ForEachChunk(dim, [&](int64_t d, auto vectors, int64_t n) ATTNRES_INLINE {
+    ForEachChunk(0, dim, dim, [&](int64_t d, auto vectors, int64_t n) ATTNRES_INLINE {
       constexpr int K = decltype(vectors)::value;
       V sum[K] = {};
       for (int64_t i = 0; i < num_sources; ++i) {
@@ -404,9 +421,9 @@ struct Row {
     }
   }
 
-  // Backward pass 2 of one token: dv_i = alpha_i g + a_i wg + b_i v_i for every
-  // source i with a gradient row (kWrite; grad_sources[i] may be null), and
-  // u += sum_i a_i v_i (kAccumulateU). Sources are read at `offset` elements, their
+  // Backward pass 2 of elements [d_begin, d_end) (as ForEachChunk) of one token:
+  // dv_i = alpha_i g + a_i wg + b_i v_i for every source i with a gradient row
+  // (kWrite; grad_sources[i] may be null), and u += sum_i a_i v_i (kAccumulateU). Sources are read at `offset` elements, their
   // gradients written at `grad_offset`; g, wg, the chunk's U and the coefficient
   // broadcasts stay in registers across the sources. kStream: every gradient row is
   // aligned for StoreStream2.
@@ -415,8 +432,8 @@ struct Row {
                                             const void* const* sources, int64_t offset,
                                             int64_t prefetch_offset, const A* g, const A* wg, const A* alpha,
                                             const A* a, const A* b, int64_t num_sources,
-                                            A* u, int64_t dim) {
-    ForEachChunk(dim, [&](int64_t d, auto vectors, int64_t n) ATTNRES_INLINE {
+                                            A* u, int64_t d_begin, int64_t d_end, int64_t dim) {
+    ForEachChunk(d_begin, d_end, dim, [&](int64_t d, auto vectors, int64_t n) ATTNRES_INLINE {
       constexpr int K = decltype(vectors)::value;
       V gv[K], wgv[K], uv[K] = {};
       for (int k = 0; k < K; ++k) {
@@ -448,10 +465,11 @@ struct Row {
 
 template <typename A>
 struct Stats {
-  A* z;      // [tile, L] logits; in backward pass 2, b_i
-  A* r;      // [tile, L] rms (1 without rmsnorm); in backward pass 2, a_i
-  A* alpha;  // [tile, L]
-  A* ga;     // [tile, L] dot(g, v_i) (backward)
+  A* z = nullptr;      // [tile, L] logits; in backward pass 2, b_i
+  A* r = nullptr;      // [tile, L] rms (1 without rmsnorm); in backward pass 2, a_i
+  A* alpha = nullptr;  // [tile, L]
+  A* ga = nullptr;     // [tile, L] dot(g, v_i) (backward)
+  Stats() = default;
   Stats(void* base, int64_t tile, int64_t num_sources) {
     A* p = static_cast<A*>(base);
     const int64_t n = tile * num_sources;
@@ -557,110 +575,194 @@ void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin
   if (stream) R::FenceStreams();
 }
 
+// The backward of one range of tokens (a chunk of kChunkTokens), as a pipeline of
+// tiles. Pass 2 of a tile is memory-bound (it writes every dv row and prefetches
+// a tile's rows) while pass 1 runs from L2 with memory idle, a quarter of the time
+// when they took turns. So pass 1 of tile k + 1 runs *inside* pass 2 of tile k, a
+// row between slices of pass 2's chunks, spread evenly, and pass 2 of tile k
+// prefetches the rows of tile k + 2 (pass 1 of tile k + 1 finds its rows in L2,
+// requested one tile earlier). Two tiles are in flight, each with its own half of
+// the scratch (grad_out rows, stats). The arithmetic and its order per element
+// are those of the two passes run one after the other.
 template <typename T, bool kRmsNorm>
-void BackwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin,
-                      int64_t end) {
+class BackwardPipeline {
   using R = Row<T>;
   using A = typename R::A;
-  const attnres_params& p = *info.params;
-  const int64_t dim = p.dim, L = info.num_sources, padded = info.padded_dim;
-  const int64_t n = end - begin;
-  const A scale = static_cast<A>(p.scale), eps = static_cast<A>(p.eps);
-  const A* wg = static_cast<const A*>(info.wg);
-  A* g = static_cast<A*>(scratch.acc);  // the tile's grad_out rows, widened once
-  A* u = static_cast<A*>(scratch.u);
-  Stats<A> st(scratch.stats, info.tile_tokens, L);
-  const A* rms_cache = static_cast<const A*>(p.rms_cache);
-  const A* alpha_cache = static_cast<const A*>(p.alpha_cache);
 
-  const T* grad_out = static_cast<const T*>(p.grad_out);
-  for (int64_t j = 0; j < n; ++j) {
-    R::Widen(g + j * padded, grad_out + (begin + j) * p.grad_out_row_stride, dim);
-  }
-
-  // Pass 1: the three dot products of every source row.
-  const T* after_last = NextTileRow<T>(info, begin, end);
-  const bool need_sum_sq = kRmsNorm && rms_cache == nullptr;
-  for (int64_t i = 0; i < L; ++i) {
-    const T* src = static_cast<const T*>(info.sources[i]) + begin * p.source_row_stride;
-    for (int64_t j = 0; j < n; ++j) {
-      const T* x = src + j * p.source_row_stride;
-      const T* next = NextRow(info, i, j, begin, end, after_last);
-      // While it reads source 0, pass 1 asks for the next tile's grad_out rows
-      // (which Widen above would otherwise wait for; pass 2 asks for the sources).
-      const int64_t t_ahead = end + j;
-      const T* ahead = i == 0 && t_ahead < p.num_tokens && j < n
-                           ? grad_out + t_ahead * p.grad_out_row_stride
-                           : nullptr;
-      A sum_sq = 0, dot_wg = 0, dot_g = 0;
-      if (need_sum_sq) {
-        R::template Dots<true, true>(x, next, ahead, wg, g + j * padded, dim, &sum_sq, &dot_wg, &dot_g);
-      } else {
-        R::template Dots<false, true>(x, next, ahead, wg, g + j * padded, dim, nullptr, &dot_wg, &dot_g);
-      }
-      A rms = 1;
-      if (kRmsNorm) {
-        rms = need_sum_sq ? Sqrt(sum_sq / static_cast<A>(dim) + eps)
-                          : rms_cache[(begin + j) * L + i];
-      }
-      st.z[j * L + i] = scale * (dot_wg / rms);
-      st.r[j * L + i] = rms;
-      st.ga[j * L + i] = dot_g;
+ public:
+  BackwardPipeline(const CallInfo& info, const Scratch& scratch)
+      : info_(info), p_(*info.params), dim_(p_.dim), L_(info.num_sources),
+        padded_(info.padded_dim), tile_tokens_(info.tile_tokens),
+        wg_(static_cast<const A*>(info.wg)), u_(static_cast<A*>(scratch.u)),
+        grad_out_(static_cast<const T*>(p_.grad_out)),
+        rms_cache_(static_cast<const A*>(p_.rms_cache)),
+        alpha_cache_(static_cast<const A*>(p_.alpha_cache)) {
+    for (int k = 0; k < 2; ++k) {
+      tiles_[k].g = static_cast<A*>(scratch.acc) + k * tile_tokens_ * padded_;
+      tiles_[k].st = Stats<A>(static_cast<A*>(scratch.stats) + k * 4 * tile_tokens_ * L_,
+                              tile_tokens_, L_);
     }
+    stream_ = info.stream_stores;
+    for (int64_t i = 0; i < L_; ++i) {
+      if (info.grad_sources[i] == nullptr) continue;
+      write_ = true;
+      stream_ = stream_ && RowsStreamable<T>(info.grad_sources[i], p_.grad_source_row_stride);
+    }
+    stream_ = stream_ && write_;
   }
 
-  // Softmax backward per token; turn (z, r) into the pass-2 coefficients (b, a).
-  for (int64_t j = 0; j < n; ++j) {
-    A* z = st.z + j * L;
-    A* r = st.r + j * L;
-    A* alpha = st.alpha + j * L;
-    const A* ga = st.ga + j * L;
-    if (alpha_cache != nullptr) {
-      for (int64_t i = 0; i < L; ++i) alpha[i] = alpha_cache[(begin + j) * L + i];
+  void Run(int64_t begin, int64_t end) {
+    const int64_t num_tiles = (end - begin + tile_tokens_ - 1) / tile_tokens_;
+    const int64_t chunks = (dim_ + R::kChunkElems - 1) / R::kChunkElems;
+    Tile* first = Start(0, begin, end);
+    for (int64_t r = 0; r < L_ * first->n; ++r) {  // pass 1 of tile 0, on its own
+      const int64_t ahead = TokenOffset(first->begin + tile_tokens_ + r % first->n, p_.source_row_stride);
+      PassOneRow(*first, r, ahead < 0 ? nullptr : Source(r / first->n) + ahead);
+    }
+    for (int64_t k = 0; k < num_tiles; ++k) {
+      Tile& cur = tiles_[k % 2];
+      Coefficients(cur);
+      Tile* next = k + 1 < num_tiles ? Start(k + 1, begin, end) : nullptr;
+      // Pass 2 of `cur` in units of one chunk of one token; before unit u, the
+      // first rows * u / units rows of the next tile's pass 1 are done.
+      const int64_t rows = next != nullptr ? L_ * next->n : 0, units = cur.n * chunks;
+      int64_t rows_done = 0;
+      for (int64_t j = 0; j < cur.n; ++j) {
+        const int64_t after_next = cur.begin + cur.n + tile_tokens_ + j;  // tile k + 2, token j
+        for (int64_t c = 0; c < chunks;) {
+          const int64_t unit = j * chunks + c;
+          for (; rows_done < rows * unit / units; ++rows_done) {
+            const int64_t ahead = rows_done < next->n ? TokenOffset(after_next - j + rows_done, p_.grad_out_row_stride) : -1;
+            PassOneRow(*next, rows_done, ahead < 0 ? nullptr : grad_out_ + ahead);
+          }
+          // Up to the unit where the next row is due (at least one chunk).
+          const int64_t due = rows_done < rows ? ((rows_done + 1) * units + rows - 1) / rows : units;
+          const int64_t c_end = std::min(chunks, std::max(c + 1, due - j * chunks));
+          PassTwo(cur, j, c * R::kChunkElems, std::min(c_end * R::kChunkElems, dim_),
+                  TokenOffset(after_next, p_.source_row_stride));
+          c = c_end;
+        }
+      }
+      for (; rows_done < rows; ++rows_done) PassOneRow(*next, rows_done, nullptr);
+    }
+    if (stream_) R::FenceStreams();
+  }
+
+ private:
+  struct Tile {
+    int64_t begin = 0, n = 0;  // tokens [begin, begin + n)
+    A* g = nullptr;            // [tile_tokens, padded_dim]: the grad_out rows, widened
+    Stats<A> st;
+  };
+
+  const T* Source(int64_t i) const { return static_cast<const T*>(info_.sources[i]); }
+
+  // Token t's row offset (elements) with this stride, or -1 past the last token.
+  // (Rows past this range's end belong to the chunk this thread most likely does
+  // next under the static schedule: prefetching them is harmless either way.)
+  int64_t TokenOffset(int64_t t, int64_t stride) const {
+    return t < p_.num_tokens ? t * stride : -1;
+  }
+
+  // Tile k of [begin, end): its tokens and its grad_out rows widened.
+  Tile* Start(int64_t k, int64_t begin, int64_t end) {
+    Tile& tile = tiles_[k % 2];
+    tile.begin = begin + k * tile_tokens_;
+    tile.n = std::min(tile_tokens_, end - tile.begin);
+    for (int64_t j = 0; j < tile.n; ++j) {
+      R::Widen(tile.g + j * padded_, grad_out_ + (tile.begin + j) * p_.grad_out_row_stride, dim_);
+    }
+    return &tile;
+  }
+
+  // Pass 1 of row r of a tile, source by source (i = r / n, token j = r % n): its
+  // three dot products. The next row is prefetched into L1, `ahead` (or null)
+  // into L2.
+  void PassOneRow(Tile& tile, int64_t r, const T* ahead) {
+    const int64_t i = r / tile.n, j = r % tile.n;
+    const T* x = Source(i) + (tile.begin + j) * p_.source_row_stride;
+    const T* next = r + 1 < L_ * tile.n
+                        ? Source((r + 1) / tile.n) + (tile.begin + (r + 1) % tile.n) * p_.source_row_stride
+                        : x;
+    const A* g = tile.g + j * padded_;
+    const bool need_sum_sq = kRmsNorm && rms_cache_ == nullptr;
+    A sum_sq = 0, dot_wg = 0, dot_g = 0;
+    if (need_sum_sq) {
+      R::template Dots<true, true>(x, next, ahead, wg_, g, dim_, &sum_sq, &dot_wg, &dot_g);
     } else {
-      Softmax(z, alpha, L);
+      R::template Dots<false, true>(x, next, ahead, wg_, g, dim_, nullptr, &dot_wg, &dot_g);
     }
-    // gz_i = alpha_i (ga_i - sum_k alpha_k ga_k), computed relative to the source
-    // with the largest alpha: when the softmax is peaked, ga_i - mean is a small
-    // difference of two large numbers, while the ga_k - ga_pivot are exact inputs.
-    int64_t pivot = 0;
-    for (int64_t i = 1; i < L; ++i) pivot = alpha[i] > alpha[pivot] ? i : pivot;
-    const A ga_pivot = ga[pivot];
-    A mean_delta = 0;
-    for (int64_t i = 0; i < L; ++i) mean_delta += alpha[i] * (ga[i] - ga_pivot);
-    for (int64_t i = 0; i < L; ++i) {
-      const A gz = alpha[i] * ((ga[i] - ga_pivot) - mean_delta);
-      const A b = kRmsNorm ? -gz * z[i] / (static_cast<A>(dim) * r[i] * r[i]) : A(0);
-      r[i] = scale * gz / r[i];  // a_i
-      z[i] = b;
+    A rms = 1;
+    if (kRmsNorm) {
+      rms = need_sum_sq ? Sqrt(sum_sq / static_cast<A>(dim_) + static_cast<A>(p_.eps))
+                        : rms_cache_[(tile.begin + j) * L_ + i];
+    }
+    tile.st.z[j * L_ + i] = static_cast<A>(p_.scale) * (dot_wg / rms);
+    tile.st.r[j * L_ + i] = rms;
+    tile.st.ga[j * L_ + i] = dot_g;
+  }
+
+  // Softmax backward per token; turns (z, r) into the pass-2 coefficients (b, a).
+  void Coefficients(Tile& tile) {
+    const A scale = static_cast<A>(p_.scale);
+    for (int64_t j = 0; j < tile.n; ++j) {
+      A* z = tile.st.z + j * L_;
+      A* r = tile.st.r + j * L_;
+      A* alpha = tile.st.alpha + j * L_;
+      const A* ga = tile.st.ga + j * L_;
+      if (alpha_cache_ != nullptr) {
+        for (int64_t i = 0; i < L_; ++i) alpha[i] = alpha_cache_[(tile.begin + j) * L_ + i];
+      } else {
+        Softmax(z, alpha, L_);
+      }
+      // gz_i = alpha_i (ga_i - sum_k alpha_k ga_k), computed relative to the source
+      // with the largest alpha: when the softmax is peaked, ga_i - mean is a small
+      // difference of two large numbers, while the ga_k - ga_pivot are exact inputs.
+      int64_t pivot = 0;
+      for (int64_t i = 1; i < L_; ++i) pivot = alpha[i] > alpha[pivot] ? i : pivot;
+      const A ga_pivot = ga[pivot];
+      A mean_delta = 0;
+      for (int64_t i = 0; i < L_; ++i) mean_delta += alpha[i] * (ga[i] - ga_pivot);
+      for (int64_t i = 0; i < L_; ++i) {
+        const A gz = alpha[i] * ((ga[i] - ga_pivot) - mean_delta);
+        const A b = kRmsNorm ? -gz * z[i] / (static_cast<A>(dim_) * r[i] * r[i]) : A(0);
+        r[i] = scale * gz / r[i];  // a_i
+        z[i] = b;
+      }
     }
   }
 
-  // Pass 2: every source gradient row written once, token by token; U on the way.
-  bool write = false, stream = info.stream_stores;
-  for (int64_t i = 0; i < L; ++i) {
-    if (info.grad_sources[i] == nullptr) continue;
-    write = true;
-    stream = stream && RowsStreamable<T>(info.grad_sources[i], p.grad_source_row_stride);
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t t = begin + j;
+  // Pass 2 of elements [d_begin, d_end) of token j of a tile: its dv rows written,
+  // U on the way; prefetches the rows at `prefetch_offset` (< 0: none).
+  void PassTwo(const Tile& tile, int64_t j, int64_t d_begin, int64_t d_end, int64_t prefetch_offset) {
+    const int64_t t = tile.begin + j;
     const auto grads = [&](auto kernel) {
       // (grad_source_row_stride is only validated when a gradient row is written.)
-      kernel(info.grad_sources, write ? t * p.grad_source_row_stride : 0, info.sources,
-             t * p.source_row_stride, NextTileOffset(info, begin, end, j), g + j * padded, wg, st.alpha + j * L, st.r + j * L,
-             st.z + j * L, L, u, dim);
+      kernel(info_.grad_sources, write_ ? t * p_.grad_source_row_stride : 0, info_.sources,
+             t * p_.source_row_stride, prefetch_offset, tile.g + j * padded_, wg_,
+             tile.st.alpha + j * L_, tile.st.r + j * L_, tile.st.z + j * L_, L_, u_, d_begin,
+             d_end, dim_);
     };
-    if (write && u != nullptr) {
-      grads(stream ? R::template SourceGrads<true, true, true> : R::template SourceGrads<true, true, false>);
-    } else if (write) {
-      grads(stream ? R::template SourceGrads<true, false, true> : R::template SourceGrads<true, false, false>);
-    } else if (u != nullptr) {
+    if (write_ && u_ != nullptr) {
+      grads(stream_ ? R::template SourceGrads<true, true, true> : R::template SourceGrads<true, true, false>);
+    } else if (write_) {
+      grads(stream_ ? R::template SourceGrads<true, false, true> : R::template SourceGrads<true, false, false>);
+    } else if (u_ != nullptr) {
       grads(R::template SourceGrads<false, true, false>);
     }
   }
-  if (stream && write) R::FenceStreams();
-}
+
+  const CallInfo& info_;
+  const attnres_params& p_;
+  const int64_t dim_, L_, padded_, tile_tokens_;
+  const A* wg_;
+  A* u_;  // this chunk's U, or null
+  const T* grad_out_;
+  const A* rms_cache_;
+  const A* alpha_cache_;
+  bool write_ = false, stream_ = false;
+  Tile tiles_[2];
+};
 
 template <typename T>
 void ForwardTile(const CallInfo& info, const Scratch& s, int64_t begin, int64_t end) {
@@ -672,11 +774,11 @@ void ForwardTile(const CallInfo& info, const Scratch& s, int64_t begin, int64_t 
 }
 
 template <typename T>
-void BackwardTile(const CallInfo& info, const Scratch& s, int64_t begin, int64_t end) {
+void BackwardRange(const CallInfo& info, const Scratch& s, int64_t begin, int64_t end) {
   if (info.params->rmsnorm) {
-    BackwardTileImpl<T, true>(info, s, begin, end);
+    BackwardPipeline<T, true>(info, s).Run(begin, end);
   } else {
-    BackwardTileImpl<T, false>(info, s, begin, end);
+    BackwardPipeline<T, false>(info, s).Run(begin, end);
   }
 }
 
@@ -688,7 +790,7 @@ const KernelTable kTable = {
     ATTNRES_STRINGIFY(ATTNRES_ISA),
     kVectorBytes,
     {ForwardTile<float>, ForwardTile<double>, ForwardTile<Bf16>, ForwardTile<F16>},
-    {BackwardTile<float>, BackwardTile<double>, BackwardTile<Bf16>, BackwardTile<F16>},
+    {BackwardRange<float>, BackwardRange<double>, BackwardRange<Bf16>, BackwardRange<F16>},
 };
 
 }  // namespace
