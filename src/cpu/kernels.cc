@@ -143,18 +143,18 @@ template <> struct Elem<Bf16> {
     // have lost one: then vfpclassps (category 0x20: denormal) tells, and a pair
     // holding a non-zero subnormal (rare) takes the integer path to stay exact.
     // One test of the result instead of two vfpclassps per pair: both run on the
-    // shuffle port, which the backward's pass 2 keeps busy. The output is lo's 16
-    // values then hi's; vpermw interleaves them back by 16-byte lane.
+    // shuffle port, which the backward's pass 2 keeps busy.
     const __m512i rounded = reinterpret_cast<__m512i>(
         _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(hi), reinterpret_cast<__m512>(lo)));
     const bool exact = _mm512_testn_epi16_mask(rounded, _mm512_set1_epi16(0x7FFF)) == 0 ||
                        (_mm512_fpclass_ps_mask(reinterpret_cast<__m512>(lo), 0x20) |
                         _mm512_fpclass_ps_mask(reinterpret_cast<__m512>(hi), 0x20)) == 0;
     if (exact) {
-      // Output word 8 l + w comes from lo's slot 4 l + w (w < 4), else hi's 4 l + w - 4.
-      const __m512i order = _mm512_set_epi16(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8,
-                                             23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-      const __m512i ordered = _mm512_permutexvar_epi16(order, rounded);
+      // Quadword k < 4 of the result holds lo's lanes 4k..4k+3, elements 8k..8k+3
+      // of memory, and quadword 4 + k hi's, elements 8k+4..8k+7: vpermq (one
+      // shuffle; vpermw takes two) puts them in memory order.
+      const __m512i order = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);
+      const __m512i ordered = _mm512_permutexvar_epi64(order, rounded);
       std::memcpy(p, &ordered, sizeof(ordered));
       return;
     }
@@ -314,13 +314,13 @@ struct Row {
     return t[0];
   }
 
-  // Asks for the cache line holding next[d] once per line of the row: called for
-  // every d that is a multiple of kLanes, it prefetches when d starts a line.
+  // Asks for the cache lines of p[0, count), count a compile-time multiple of a
+  // vector: one prefetch per 64 bytes (at least one), no run-time tests.
   // kLocality 3 asks for L1 (the row read next), 2 for L2 (rows read a tile later).
   static constexpr int64_t kLineElems = 64 / sizeof(T);
-  template <int kLocality = 3>
-  static void PrefetchLine(const T* next, int64_t d) {
-    if (kLanes >= kLineElems || d % kLineElems == 0) __builtin_prefetch(next + d, 0, kLocality);
+  template <int64_t kCount, int kLocality = 3>
+  static void PrefetchSpan(const T* p) {
+    for (int64_t e = 0; e < kCount; e += kLineElems) __builtin_prefetch(p + e, 0, kLocality);
   }
 
   // One read of x: sum(x^2) (if kSumSq), dot(wg, x), and dot(g, x) (if kDotG),
@@ -351,12 +351,8 @@ struct Row {
     // Four vectors per iteration (a whole line of bf16 on AVX2): fewer loop and
     // prefetch-test instructions per byte.
     for (; d + 4 * kLanes <= dim; d += 4 * kLanes) {
-      PrefetchLine(next, d);
-      PrefetchLine(next, d + 2 * kLanes);
-      if (ahead != nullptr) {
-        PrefetchLine<2>(ahead, d);
-        PrefetchLine<2>(ahead, d + 2 * kLanes);
-      }
+      PrefetchSpan<4 * kLanes>(next + d);
+      if (ahead != nullptr) PrefetchSpan<4 * kLanes, 2>(ahead + d);
       V x0, x1, x2, x3;
       E::Load2(x + d, x0, x1);
       E::Load2(x + d + 2 * kLanes, x2, x3);
@@ -364,8 +360,8 @@ struct Row {
       add(kAcc - 2, d + 2 * kLanes, x2, x3);
     }
     for (; d < dim; d += kPair) {  // the last pair, whole or short
-      PrefetchLine(next, d);
-      if (ahead != nullptr) PrefetchLine<2>(ahead, d);
+      PrefetchSpan<kPair>(next + d);
+      if (ahead != nullptr) PrefetchSpan<kPair, 2>(ahead + d);
       V x0, x1;
       Load2(x + d, dim - d, x0, x1);
       add(0, d, x0, x1);
@@ -388,7 +384,7 @@ struct Row {
   static void PrefetchChunk(const void* source, int64_t prefetch_offset, int64_t d) {
     if (prefetch_offset < 0) return;
     const T* p = static_cast<const T*>(source) + prefetch_offset;
-    for (int k = 0; k < K; ++k) PrefetchLine<2>(p, d + k * kLanes);
+    PrefetchSpan<K * kLanes, 2>(p + d);
   }
 
   // Forward pass 2 of one token: out = sum_i alpha_i v_i over the L source rows at
