@@ -11,7 +11,7 @@
 //   pass 1 - reads every source row of the tile once from memory, source by source
 //            (all of the tile's rows of source 0, then of source 1, ...), each row
 //            prefetching the next; it computes sum(v^2), dot(wg, v) and, in the
-//            backward, dot(g, v). A tile is small (backend.cc: kTileSourceBytes)
+//            backward, dot(g, v). A tile is small (backend.cc: k*TileSourceBytes)
 //            so that pass 2 finds its rows in L1/L2.
 //   then   - the softmax (forward) or its backward, a few scalars per source;
 //   pass 2 - token by token, rereads the tile's sources from cache, a chunk of a few
