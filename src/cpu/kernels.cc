@@ -22,6 +22,8 @@
 //            Nothing but the outputs is stored: an accumulator row in memory would
 //            be read and written once per source (3x the source bytes in cache
 //            traffic), which is what limited the single-pass forward.
+// The backward overlaps the two: pass 1 of the next tile runs inside pass 2 of
+// this one (BackwardPipeline).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -329,7 +331,6 @@ struct Row {
   // The hardware prefetchers alone leave too few lines in flight once a loop does
   // more than load (in a standalone test, 0.7-0.9 of a plain sum's bandwidth, and
   // 0.98 with this prefetch); one row ahead (1.5-16 KB) covers the latency.
-  // Two accumulators per quantity keep the FMA latency off the critical path.
   // The row functions are not inlined: inside the tile loops the compiler ran out
   // of registers and kept accumulators on the stack, a store-to-load chain per
   // iteration that cost ~3x. One call per row of D elements is free in comparison.
@@ -573,7 +574,7 @@ void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin
 
 // The backward of one range of tokens (a chunk of kChunkTokens), as a pipeline of
 // tiles. Pass 2 of a tile is memory-bound (it writes every dv row and prefetches
-// a tile's rows) while pass 1 runs from L2 with memory idle, a quarter of the time
+// a tile's rows) while pass 1 runs from L2 with memory idle: a quarter of the time
 // when they took turns. So pass 1 of tile k + 1 runs *inside* pass 2 of tile k, a
 // row between slices of pass 2's chunks, spread evenly, and pass 2 of tile k
 // prefetches the rows of tile k + 2 (pass 1 of tile k + 1 finds its rows in L2,
@@ -598,44 +599,51 @@ class BackwardPipeline {
       tiles_[k].st = Stats<A>(static_cast<A*>(scratch.stats) + k * 4 * tile_tokens_ * L_,
                               tile_tokens_, L_);
     }
-    stream_ = info.stream_stores;
+    bool stream = info.stream_stores;
     for (int64_t i = 0; i < L_; ++i) {
       if (info.grad_sources[i] == nullptr) continue;
       write_ = true;
-      stream_ = stream_ && RowsStreamable<T>(info.grad_sources[i], p_.grad_source_row_stride);
+      stream = stream && RowsStreamable<T>(info.grad_sources[i], p_.grad_source_row_stride);
     }
-    stream_ = stream_ && write_;
+    stream_ = stream && write_;
   }
 
   void Run(int64_t begin, int64_t end) {
     const int64_t num_tiles = (end - begin + tile_tokens_ - 1) / tile_tokens_;
     const int64_t chunks = (dim_ + R::kChunkElems - 1) / R::kChunkElems;
     Tile* first = Start(0, begin, end);
-    for (int64_t r = 0; r < L_ * first->n; ++r) {  // pass 1 of tile 0, on its own
-      const int64_t ahead = TokenOffset(first->begin + tile_tokens_ + r % first->n, p_.source_row_stride);
-      PassOneRow(*first, r, ahead < 0 ? nullptr : Source(r / first->n) + ahead);
+    for (int64_t r = 0; r < L_ * first->n; ++r) {  // pass 1 of tile 0, on its own,
+      const int64_t t = first->begin + tile_tokens_ + r % first->n;  // asking for tile 1
+      PassOneRow(*first, r, t < p_.num_tokens ? Source(r / first->n) + t * p_.source_row_stride : nullptr);
     }
     for (int64_t k = 0; k < num_tiles; ++k) {
       Tile& cur = tiles_[k % 2];
       Coefficients(cur);
       Tile* next = k + 1 < num_tiles ? Start(k + 1, begin, end) : nullptr;
+      // Tile k + 2 starts at after_next: pass 2 of `cur` asks for its source rows,
+      // pass 1 of `next` for its grad_out rows (beside source 0's rows). Past this
+      // range's end, that is the chunk this thread most likely does next under the
+      // static schedule; nothing past the last token is asked for.
+      const int64_t after_next = cur.begin + cur.n + tile_tokens_;
       // Pass 2 of `cur` in units of one chunk of one token; before unit u, the
       // first rows * u / units rows of the next tile's pass 1 are done.
       const int64_t rows = next != nullptr ? L_ * next->n : 0, units = cur.n * chunks;
       int64_t rows_done = 0;
       for (int64_t j = 0; j < cur.n; ++j) {
-        const int64_t after_next = cur.begin + cur.n + tile_tokens_ + j;  // tile k + 2, token j
         for (int64_t c = 0; c < chunks;) {
           const int64_t unit = j * chunks + c;
           for (; rows_done < rows * unit / units; ++rows_done) {
-            const int64_t ahead = rows_done < next->n ? TokenOffset(after_next - j + rows_done, p_.grad_out_row_stride) : -1;
-            PassOneRow(*next, rows_done, ahead < 0 ? nullptr : grad_out_ + ahead);
+            const int64_t t = after_next + rows_done;  // used while rows_done < next->n: source 0
+            PassOneRow(*next, rows_done, rows_done < next->n && t < p_.num_tokens
+                                             ? grad_out_ + t * p_.grad_out_row_stride
+                                             : nullptr);
           }
           // Up to the unit where the next row is due (at least one chunk).
           const int64_t due = rows_done < rows ? ((rows_done + 1) * units + rows - 1) / rows : units;
           const int64_t c_end = std::min(chunks, std::max(c + 1, due - j * chunks));
+          const int64_t t = after_next + j;
           PassTwo(cur, j, c * R::kChunkElems, std::min(c_end * R::kChunkElems, dim_),
-                  TokenOffset(after_next, p_.source_row_stride));
+                  t < p_.num_tokens ? t * p_.source_row_stride : -1);
           c = c_end;
         }
       }
@@ -652,13 +660,6 @@ class BackwardPipeline {
   };
 
   const T* Source(int64_t i) const { return static_cast<const T*>(info_.sources[i]); }
-
-  // Token t's row offset (elements) with this stride, or -1 past the last token.
-  // (Rows past this range's end belong to the chunk this thread most likely does
-  // next under the static schedule: prefetching them is harmless either way.)
-  int64_t TokenOffset(int64_t t, int64_t stride) const {
-    return t < p_.num_tokens ? t * stride : -1;
-  }
 
   // Tile k of [begin, end): its tokens and its grad_out rows widened.
   Tile* Start(int64_t k, int64_t begin, int64_t end) {
