@@ -221,7 +221,6 @@ struct Row {
     std::memcpy(p, buf, n * sizeof(T));
   }
 
-
   // Two whole vectors stored past the caches (p aligned to kStreamBytes): a large
   // output is not read again soon, and a normal store would first read every
   // destination line into the cache (read-for-ownership), a third stream. Pairs
@@ -327,7 +326,7 @@ struct Row {
 
   // One read of x: sum(x^2) (if kSumSq), dot(wg, x), and dot(g, x) (if kDotG),
   // prefetching `next`, the row the caller reads after this one, at the same pace,
-  // into L1, and `ahead` (a row of the next tile, or null) into L2.
+  // into L1, and `ahead` (a row read a tile or two later, or null) into L2.
   // The hardware prefetchers alone leave too few lines in flight once a loop does
   // more than load (in a standalone test, 0.7-0.9 of a plain sum's bandwidth, and
   // 0.98 with this prefetch); one row ahead (1.5-16 KB) covers the latency.
@@ -420,10 +419,10 @@ struct Row {
 
   // Backward pass 2 of elements [d_begin, d_end) (as ForEachChunk) of one token:
   // dv_i = alpha_i g + a_i wg + b_i v_i for every source i with a gradient row
-  // (kWrite; grad_sources[i] may be null), and u += sum_i a_i v_i (kAccumulateU). Sources are read at `offset` elements, their
-  // gradients written at `grad_offset`; g, wg, the chunk's U and the coefficient
-  // broadcasts stay in registers across the sources. kStream: every gradient row is
-  // aligned for StoreStream2.
+  // (kWrite; grad_sources[i] may be null), and u += sum_i a_i v_i (kAccumulateU).
+  // Sources are read at `offset` elements, their gradients written at
+  // `grad_offset`; g, wg and the chunk's U stay in registers across the sources.
+  // kStream: every gradient row is aligned for StoreStream2.
   template <bool kWrite, bool kAccumulateU, bool kStream>
   [[gnu::noinline]] static void SourceGrads(void* const* grad_sources, int64_t grad_offset,
                                             const void* const* sources, int64_t offset,
@@ -442,12 +441,12 @@ struct Row {
         const T* x = static_cast<const T*>(sources[i]) + offset + d;
         V xv[K];
         LoadChunk<K>(x, n, xv);
+        const V va = Splat(a[i]);
         if (kAccumulateU) {
-          const V va = Splat(a[i]);
           for (int k = 0; k < K; ++k) uv[k] += va * xv[k];
         }
         if (kWrite && grad_sources[i] != nullptr) {
-          const V valpha = Splat(alpha[i]), va = Splat(a[i]), vb = Splat(b[i]);
+          const V valpha = Splat(alpha[i]), vb = Splat(b[i]);
           V dv[K];
           for (int k = 0; k < K; ++k) dv[k] = valpha * gv[k] + va * wgv[k] + vb * xv[k];
           StoreChunk<K>(static_cast<T*>(grad_sources[i]) + grad_offset + d, dv, n, kStream);
@@ -503,7 +502,6 @@ inline int64_t NextTileOffset(const CallInfo& info, int64_t begin, int64_t end, 
   const bool in_next_tile = t < info.params->num_tokens && j < end - begin;
   return in_next_tile ? t * info.params->source_row_stride : -1;
 }
-
 
 // Whether rows at base + k * row_stride (elements of T) may take non-temporal stores.
 // (In elements: a valid stride of a one-row buffer can be any int64, too large to
@@ -633,8 +631,10 @@ class BackwardPipeline {
         for (int64_t c = 0; c < chunks;) {
           const int64_t unit = j * chunks + c;
           for (; rows_done < rows * unit / units; ++rows_done) {
-            const int64_t t = after_next + rows_done;  // used while rows_done < next->n: source 0
-            PassOneRow(*next, rows_done, rows_done < next->n && t < p_.num_tokens
+            // Rows r < next->n are source 0's, of token r: tile k + 2's token r.
+            const int64_t t = after_next + rows_done;
+            const bool source_0 = rows_done < next->n;
+            PassOneRow(*next, rows_done, source_0 && t < p_.num_tokens
                                              ? grad_out_ + t * p_.grad_out_row_stride
                                              : nullptr);
           }
