@@ -2,6 +2,7 @@
 // hands the params to a backend. Backends trust what arrives here.
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <new>
 #include <sstream>
@@ -115,7 +116,7 @@ void ValidateCommon(Validator& v, const attnres_params* p) {
   v.Check(p->abi_version == ATTNRES_ABI_VERSION, ATTNRES_ERROR_INVALID_ARGUMENT,
           "params.abi_version must be ", ATTNRES_ABI_VERSION,
           " (initialise params with attnres_params_init), got ", p->abi_version);
-  v.Check(p->dtype >= ATTNRES_DTYPE_FLOAT32 && p->dtype <= ATTNRES_DTYPE_FLOAT16,
+  v.Check(p->dtype >= 0 && p->dtype < ATTNRES_DTYPE_COUNT,
           ATTNRES_ERROR_UNSUPPORTED_DTYPE,
           "dtype must be one of float32 (0), float64 (1), bfloat16 (2), float16 (3), got ",
           p->dtype);
@@ -271,7 +272,35 @@ void attnres_params_init(attnres_params* params) {
   params->scale = 1.0;
   params->eps = 1e-6;
   params->rmsnorm = 1;
+  params->num_queries = 1;
+  params->norm_eps = 1e-6;
 }
+
+const attnres_field* attnres_params_fields(int32_t* count) {
+#define ATTNRES_FIELD(name) \
+  attnres_field{#name, int64_t(offsetof(attnres_params, name)), int64_t(sizeof(attnres_params::name))}
+  static const attnres_field kFields[] = {
+      ATTNRES_FIELD(abi_version), ATTNRES_FIELD(num_tokens), ATTNRES_FIELD(dim),
+      ATTNRES_FIELD(num_blocks), ATTNRES_FIELD(dtype), ATTNRES_FIELD(device),
+      ATTNRES_FIELD(stream), ATTNRES_FIELD(blocks), ATTNRES_FIELD(partial),
+      ATTNRES_FIELD(source_row_stride), ATTNRES_FIELD(proj_weight), ATTNRES_FIELD(gamma),
+      ATTNRES_FIELD(scale), ATTNRES_FIELD(eps), ATTNRES_FIELD(rmsnorm), ATTNRES_FIELD(out),
+      ATTNRES_FIELD(out_row_stride), ATTNRES_FIELD(rms_cache), ATTNRES_FIELD(alpha_cache),
+      ATTNRES_FIELD(grad_out), ATTNRES_FIELD(grad_out_row_stride), ATTNRES_FIELD(grad_blocks),
+      ATTNRES_FIELD(grad_partial), ATTNRES_FIELD(grad_source_row_stride),
+      ATTNRES_FIELD(grad_proj_weight), ATTNRES_FIELD(grad_gamma), ATTNRES_FIELD(num_queries),
+      ATTNRES_FIELD(query_outs), ATTNRES_FIELD(query_lses), ATTNRES_FIELD(grad_query_outs),
+      ATTNRES_FIELD(grad_query_lses), ATTNRES_FIELD(accumulate_grads), ATTNRES_FIELD(query_out),
+      ATTNRES_FIELD(query_lse), ATTNRES_FIELD(grad_query_out), ATTNRES_FIELD(grad_query_lse),
+      ATTNRES_FIELD(input_norm), ATTNRES_FIELD(norm_eps), ATTNRES_FIELD(norm_weight),
+      ATTNRES_FIELD(grad_norm_weight),
+  };
+#undef ATTNRES_FIELD
+  if (count != nullptr) *count = int32_t(sizeof(kFields) / sizeof(kFields[0]));
+  return kFields;
+}
+
+int64_t attnres_params_size(void) { return int64_t(sizeof(attnres_params)); }
 
 attnres_status attnres_forward(const attnres_params* params) {
   if (attnres_status s = attnres::ValidateForward(params); s != ATTNRES_OK) return s;

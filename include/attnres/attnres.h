@@ -46,8 +46,9 @@ extern "C" {
 #define ATTNRES_VERSION_MAJOR 0
 #define ATTNRES_VERSION_MINOR 1
 #define ATTNRES_VERSION_PATCH 0
-/* Bumped whenever attnres_params changes layout; checked by attnres_params_init. */
-#define ATTNRES_ABI_VERSION 1
+/* Bumped whenever attnres_params changes layout; checked by every call.
+ * 2: the two-phase schedule's fields (num_queries onwards). */
+#define ATTNRES_ABI_VERSION 2
 
 typedef enum attnres_status {
   ATTNRES_OK = 0,
@@ -65,7 +66,8 @@ typedef enum attnres_dtype {
   ATTNRES_DTYPE_FLOAT32 = 0,
   ATTNRES_DTYPE_FLOAT64 = 1,
   ATTNRES_DTYPE_BFLOAT16 = 2,
-  ATTNRES_DTYPE_FLOAT16 = 3
+  ATTNRES_DTYPE_FLOAT16 = 3,
+  ATTNRES_DTYPE_COUNT = 4 /* the number of dtypes, not a dtype */
 } attnres_dtype;
 
 typedef enum attnres_device {
@@ -118,7 +120,37 @@ typedef struct attnres_params {
   int64_t grad_source_row_stride;/* row stride of every grad_blocks[i] and grad_partial */
   void* grad_proj_weight;        /* optional [dim], overwritten */
   void* grad_gamma;              /* optional [dim], overwritten; only with rmsnorm */
+
+  /* The two-phase schedule (ABI 2; docs/DESIGN.md, "The two phases"). Phase 1 mixes
+   * the N completed blocks for S queries at once; phase 2 merges one query's result
+   * with the partial block. Both read blocks/partial/proj_weight/gamma/scale/eps/
+   * rmsnorm above; the single op ignores these fields. */
+  int64_t num_queries;                /* S >= 1 (phase 1): proj_weight and gamma are [S, dim] */
+  void* const* query_outs;            /* phase 1 forward: S pointers, o_s [rows of dim] (out_row_stride) */
+  void* const* query_lses;            /* phase 1 forward: S pointers, lse_s [num_tokens] of the accumulation type */
+  const void* const* grad_query_outs; /* phase 1 backward: S pointers (grad_out_row_stride); a NULL entry is zero */
+  const void* const* grad_query_lses; /* phase 1 backward: NULL, or S pointers each NULL (zero) or [num_tokens] */
+  int32_t accumulate_grads;           /* phase 1 backward: 1 adds into grad_blocks[i] instead of overwriting */
+  const void* query_out;              /* phase 2: o_s [rows of dim] (source_row_stride) */
+  const void* query_lse;              /* phase 2: lse_s [num_tokens] of the accumulation type */
+  void* grad_query_out;               /* phase 2 backward: optional, [rows of dim] (grad_source_row_stride) */
+  void* grad_query_lse;               /* phase 2 backward: optional, [num_tokens] of the accumulation type */
+  int32_t input_norm;                 /* phase 2: 1 writes out = RMSNorm(h) * norm_weight instead of h */
+  double norm_eps;                    /* that RMSNorm's eps: >= 0 and finite (default 1e-6) */
+  const void* norm_weight;            /* [dim], or NULL for ones */
+  void* grad_norm_weight;             /* phase 2 backward: optional [dim], overwritten; only with input_norm */
 } attnres_params;
+
+/* The layout of attnres_params as this library was compiled: bindings that mirror
+ * the struct (Python's ctypes) compare their offsets and sizes at load. */
+typedef struct attnres_field {
+  const char* name;
+  int64_t offset;
+  int64_t size;
+} attnres_field;
+/* The fields in declaration order; *count receives their number. */
+ATTNRES_API const attnres_field* attnres_params_fields(int32_t* count);
+ATTNRES_API int64_t attnres_params_size(void);
 
 /* Library version "MAJOR.MINOR.PATCH". */
 ATTNRES_API const char* attnres_version(void);
@@ -134,7 +166,8 @@ ATTNRES_API const char* attnres_version(void);
 ATTNRES_API const char* attnres_cpu_isa(void);
 ATTNRES_API attnres_status attnres_set_cpu_isa(const char* name);
 
-/* Defaults: abi_version, scale = 1, eps = 1e-6, rmsnorm = 1, CPU, everything else 0. */
+/* Defaults: abi_version, scale = 1, eps = 1e-6, rmsnorm = 1, CPU, num_queries = 1,
+ * norm_eps = 1e-6, everything else 0. */
 ATTNRES_API void attnres_params_init(attnres_params* params);
 
 /* Forward: writes out, and rms_cache / alpha_cache when they are non-NULL. */
@@ -144,6 +177,23 @@ ATTNRES_API attnres_status attnres_forward(const attnres_params* params);
  * when given (as written by attnres_forward with the same inputs), recomputes
  * them otherwise. dw and dgamma are bitwise reproducible for any thread count. */
 ATTNRES_API attnres_status attnres_backward(const attnres_params* params);
+
+/*
+ * The two-phase schedule, per token (r_i = 1 without rmsnorm, u_s = w_s * gamma_s):
+ *   phase 1  z_{s,i} = scale * dot(u_s, v_i) / r_i over the N blocks (partial must be NULL)
+ *            lse_s = log sum_i exp(z_{s,i}),  o_s = sum_i exp(z_{s,i} - lse_s) v_i
+ *   phase 2  z_p = scale * dot(u, p) / r_p,  beta = sigmoid(lse - z_p)
+ *            h = beta * o + (1 - beta) * p   (h = o when partial is NULL)
+ *            out = h, or RMSNorm(h) * norm_weight with input_norm
+ * Phase 1's backward recomputes the logits from the blocks (it needs neither o_s
+ * nor lse_s), reads each block once and writes each block's gradient once; dw and
+ * dgamma ([S, dim]) are bitwise reproducible for any thread count, as are phase 2's
+ * dw, dgamma and dnorm_weight.
+ */
+ATTNRES_API attnres_status attnres_phase1_forward(const attnres_params* params);
+ATTNRES_API attnres_status attnres_phase1_backward(const attnres_params* params);
+ATTNRES_API attnres_status attnres_phase2_forward(const attnres_params* params);
+ATTNRES_API attnres_status attnres_phase2_backward(const attnres_params* params);
 
 /* The message of the last failed call on this thread ("" if none). */
 ATTNRES_API const char* attnres_last_error(void);

@@ -35,7 +35,7 @@ constexpr int64_t kMaxVectorBytes = 64;
 // with one row per source per tile: on a Xeon (2 MB L2), tiles of one token
 // (52 KB of rows at L = 17, D = 1536, bf16) ran the forward 1.3x faster than
 // 48 KB runs of every source (832 KB tiles), and larger budgets were never faster.
-// The backward keeps three tiles in L2 (kernels.cc: BackwardPipeline) and ran 4%
+// The backward keeps three tiles in L2 (block_attn_res.cc: BackwardPipeline) and ran 4%
 // faster with two tokens per tile there (128 KB; 256 KB was slower again).
 constexpr int64_t kForwardTileSourceBytes = 64 * 1024;
 constexpr int64_t kBackwardTileSourceBytes = 128 * 1024;
@@ -234,7 +234,7 @@ class Call {
   // the backward, `chunks` zeroed rows of U.
   attnres_status AllocateScratch(int threads, int64_t chunks) {
     const int64_t tile = info_.tile_tokens, L = info_.num_sources, padded = info_.padded_dim;
-    // The backward pipelines two tiles (kernels.cc: BackwardPipeline), each with
+    // The backward pipelines two tiles (block_attn_res.cc: BackwardPipeline), each with
     // its widened grad_out rows and stats.
     const int64_t tiles_in_flight = backward_ ? 2 : 1;
     acc_elems_ = backward_ ? tiles_in_flight * tile * padded : 0;
@@ -284,7 +284,7 @@ class Call {
 
  private:
   // Where element d of a row sits in the kernels' rows of A (w * gamma, U): the
-  // bf16 kernels keep each pair of vectors in unpack order (kernels.cc, Elem<Bf16>):
+  // bf16 kernels keep each pair of vectors in unpack order (simd-inl.h, Elem<Bf16>):
   // words 0-3 of every 16-byte lane of the pair's 2 * lanes values in the first
   // vector, words 4-7 in the second. With 16-byte vectors that is the identity.
   int64_t KernelRowIndex(int64_t d) const {

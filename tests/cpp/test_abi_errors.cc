@@ -508,7 +508,7 @@ TEST_F(AbiErrors, UnknownDevice) {
 TEST_F(AbiErrors, WrongAbiVersion) {
   attnres_params p = pb_.ForwardParams();
   p.abi_version = 999;
-  ForwardFails(p, kInvalid, {"abi_version", "999", "1"});
+  ForwardFails(p, kInvalid, {"abi_version", "999", std::to_string(ATTNRES_ABI_VERSION)});
   p.abi_version = 0;  // a struct that never went through attnres_params_init
   ForwardFails(p, kInvalid, {"abi_version", "0"});
   attnres_params b = pb_.BackwardParams();
