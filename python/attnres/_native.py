@@ -23,7 +23,7 @@ import torch
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 _ELEMENT_BYTES = {torch.float32: 4, torch.float64: 8, torch.bfloat16: 2, torch.float16: 2}
 _DEVICE_CPU, _DEVICE_CUDA = 0, 1
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 
 # attnres_status values (include/attnres/attnres.h) and the Python error for each.
 _ERRORS = {1: ValueError, 2: ValueError, 3: ValueError, 4: ValueError, 5: MemoryError,
@@ -60,7 +60,58 @@ class _Params(ctypes.Structure):
         ("grad_source_row_stride", ctypes.c_int64),
         ("grad_proj_weight", ctypes.c_void_p),
         ("grad_gamma", ctypes.c_void_p),
+        # ABI 2: the two-phase schedule.
+        ("num_queries", ctypes.c_int64),
+        ("query_outs", ctypes.POINTER(ctypes.c_void_p)),
+        ("query_lses", ctypes.POINTER(ctypes.c_void_p)),
+        ("grad_query_outs", ctypes.POINTER(ctypes.c_void_p)),
+        ("grad_query_lses", ctypes.POINTER(ctypes.c_void_p)),
+        ("accumulate_grads", ctypes.c_int32),
+        ("query_out", ctypes.c_void_p),
+        ("query_lse", ctypes.c_void_p),
+        ("grad_query_out", ctypes.c_void_p),
+        ("grad_query_lse", ctypes.c_void_p),
+        ("input_norm", ctypes.c_int32),
+        ("norm_eps", ctypes.c_double),
+        ("norm_weight", ctypes.c_void_p),
+        ("grad_norm_weight", ctypes.c_void_p),
     ]
+
+
+class _Field(ctypes.Structure):
+    """Mirror of attnres_field: one entry of the library's own layout of attnres_params."""
+
+    _fields_ = [("name", ctypes.c_char_p), ("offset", ctypes.c_int64), ("size", ctypes.c_int64)]
+
+
+Layout = List[Tuple[str, int, int]]  # (name, offset, size) of each field, in declaration order
+
+
+def params_layout(structure=_Params) -> Layout:
+    """The layout ctypes gives a mirror of attnres_params."""
+    return [(name, getattr(structure, name).offset, getattr(structure, name).size)
+            for name, _ in structure._fields_]
+
+
+def check_params_layout(python: Layout, python_size: int, library: Layout,
+                        library_size: int) -> None:
+    """Raises ImportError at the first field whose name, offset or size differs between
+    the Python mirror and the library, or when the struct sizes differ: a call with a
+    mismatched struct would hand the library pointers in the wrong places."""
+    def describe(field) -> str:
+        return "no field" if field is None else f"{field[0]!r} at offset {field[1]}, size {field[2]}"
+
+    for i in range(max(len(python), len(library))):
+        ours = python[i] if i < len(python) else None
+        theirs = library[i] if i < len(library) else None
+        if ours != theirs:
+            raise ImportError(
+                f"attnres_params field {i}: the Python mirror (attnres._native._Params) has "
+                f"{describe(ours)}, libattnres has {describe(theirs)}; the package and the "
+                "library come from different versions (rebuild or reinstall both)")
+    if python_size != library_size:
+        raise ImportError(f"attnres_params size: the Python mirror has {python_size} bytes, "
+                          f"libattnres has {library_size}")
 
 
 def _find_library() -> Path:
@@ -78,14 +129,52 @@ def _find_library() -> Path:
 
 # A call passes attnres_params as bytes packed by struct in the C layout ("@":
 # native sizes and alignment), a third of the cost of filling a _Params; the
-# format comes from _Params so that the two cannot drift apart.
+# formats come from _Params so that the two cannot drift apart. The single op
+# packs its own fields and appends the two-phase fields at their defaults
+# (those of attnres_params_init), packed once.
 _STRUCT_CODES = {ctypes.c_int32: "i", ctypes.c_int64: "q", ctypes.c_double: "d"}
-_PARAMS = struct.Struct("@" + "".join(_STRUCT_CODES.get(t, "P") for _, t in _Params._fields_))
-assert _PARAMS.size == ctypes.sizeof(_Params), "attnres_params layout mismatch"
+
+
+def _struct(fields) -> struct.Struct:
+    return struct.Struct("@" + "".join(_STRUCT_CODES.get(t, "P") for _, t in fields))
+
+
+_FIRST_TWO_PHASE_FIELD = [name for name, _ in _Params._fields_].index("num_queries")
+_SINGLE_OP_PARAMS = _struct(_Params._fields_[:_FIRST_TWO_PHASE_FIELD])
+_TWO_PHASE_PARAMS = _struct(_Params._fields_[_FIRST_TWO_PHASE_FIELD:])
+_TWO_PHASE_DEFAULTS = {"num_queries": 1, "norm_eps": 1e-6}  # every other field 0 (NULL)
+_TWO_PHASE_DEFAULT_BYTES = _TWO_PHASE_PARAMS.pack(
+    *(_TWO_PHASE_DEFAULTS.get(name, 0) for name, _ in _Params._fields_[_FIRST_TWO_PHASE_FIELD:]))
+if (_SINGLE_OP_PARAMS.size != _Params.num_queries.offset
+        or _SINGLE_OP_PARAMS.size + _TWO_PHASE_PARAMS.size != ctypes.sizeof(_Params)):
+    raise ImportError("attnres._native: the struct formats of attnres_params disagree with _Params")
+
+
+def _pack(*single_op_fields) -> bytes:
+    """attnres_params from the values of its fields up to grad_gamma, in _Params order."""
+    return _SINGLE_OP_PARAMS.pack(*single_op_fields) + _TWO_PHASE_DEFAULT_BYTES
+
+
 # Arrays of pointers (blocks, grad_blocks) as array.array of unsigned words.
 _POINTER_CODE = "Q" if ctypes.sizeof(ctypes.c_void_p) == 8 else "I"
 
+def _library_layout(lib) -> Tuple[Layout, int]:
+    """The layout of attnres_params that the library was compiled with."""
+    try:
+        fields, size = lib.attnres_params_fields, lib.attnres_params_size
+    except AttributeError:
+        raise ImportError(f"{lib._name} does not export attnres_params_fields: it predates "
+                          f"ABI version {_ABI_VERSION}; rebuild or reinstall it") from None
+    fields.argtypes = [ctypes.POINTER(ctypes.c_int32)]
+    fields.restype = ctypes.POINTER(_Field)
+    size.restype = ctypes.c_int64
+    count = ctypes.c_int32()
+    table = fields(ctypes.byref(count))
+    return [(f.name.decode(), f.offset, f.size) for f in table[:count.value]], size()
+
+
 _lib = ctypes.CDLL(str(_find_library()))
+check_params_layout(params_layout(), ctypes.sizeof(_Params), *_library_layout(_lib))
 for _name in ("attnres_forward", "attnres_backward"):
     getattr(_lib, _name).argtypes = [ctypes.c_char_p]  # the packed params
     getattr(_lib, _name).restype = ctypes.c_int
@@ -206,7 +295,7 @@ def _rows(tensors: Sequence[torch.Tensor], dim: int) -> Tuple[List[torch.Tensor]
 
 
 def _call(function, params: bytes, like: torch.Tensor) -> None:
-    """Calls the ABI with params packed by _PARAMS; on CUDA with the tensors'
+    """Calls the ABI with params packed by _pack; on CUDA with the tensors'
     device current, as the kernels launch on the current device and torch's
     current stream for it."""
     if like.is_cuda:
@@ -323,7 +412,7 @@ def forward(blocks: Sequence[torch.Tensor], partial: Optional[torch.Tensor],
     num_blocks = len(blocks)
     block_ptrs = _pointers([s.data_ptr() for s in sources[:num_blocks]])
     # In _Params._fields_ order; the backward's fields are 0 (NULL).
-    p = _PARAMS.pack(_ABI_VERSION, tokens, dim, num_blocks, _DTYPES[dtype], device, stream,
+    p = _pack(_ABI_VERSION, tokens, dim, num_blocks, _DTYPES[dtype], device, stream,
                      block_ptrs.buffer_info()[0],
                      sources[-1].data_ptr() if partial is not None else 0, stride,
                      proj_weight.data_ptr(), gamma.data_ptr() if gamma is not None else 0,
@@ -405,7 +494,7 @@ def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
     block_ptrs = _pointers([s.data_ptr() for s in sources[:num_blocks]])
     grad_ptrs = _pointers([ptr(g) for g in grad_blocks])
     # In _Params._fields_ order; the forward's outputs are 0 (NULL).
-    p = _PARAMS.pack(
+    p = _pack(
         _ABI_VERSION, tokens, dim, num_blocks, _DTYPES[dtype], device, stream,
         block_ptrs.buffer_info()[0], sources[-1].data_ptr() if partial is not None else 0,
         stride, proj_weight.data_ptr(), ptr(gamma), scale, eps, 1 if rmsnorm else 0, 0, 0,
