@@ -29,6 +29,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "core/token_math.h"
 #include "cpu/kernel_table.h"
 #include "cpu/simd-inl.h"
 
@@ -165,18 +166,6 @@ inline int64_t NextTileOffset(const CallInfo& info, int64_t begin, int64_t end, 
   return in_next_tile ? t * info.params->source_row_stride : -1;
 }
 
-// alpha = softmax(z) over one token's L logits, as the reference: exp(z - max z),
-// so a NaN or infinite logit makes the token's weights NaN (that token only).
-template <typename A>
-void Softmax(const A* z, A* alpha, int64_t num_sources) {
-  A max_z = z[0];
-  for (int64_t i = 1; i < num_sources; ++i) max_z = z[i] > max_z ? z[i] : max_z;
-  A denom = 0;
-  for (int64_t i = 0; i < num_sources; ++i) denom += alpha[i] = Exp(z[i] - max_z);
-  const A inv_denom = A(1) / denom;
-  for (int64_t i = 0; i < num_sources; ++i) alpha[i] *= inv_denom;
-}
-
 template <typename T, bool kRmsNorm>
 void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin,
                      int64_t end) {
@@ -198,7 +187,7 @@ void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin
       A sum_sq = 0, dot = 0;
       R::template Dots<kRmsNorm, false>(x, NextRow(info, i, j, begin, end, after_last), nullptr, wg,
                                         nullptr, dim, &sum_sq, &dot, nullptr);
-      const A rms = kRmsNorm ? Sqrt(sum_sq / static_cast<A>(dim) + eps) : A(1);
+      const A rms = kRmsNorm ? math::Rms(sum_sq, dim, eps) : A(1);
       st.z[j * L + i] = scale * (dot / rms);
       st.r[j * L + i] = rms;
     }
@@ -212,7 +201,7 @@ void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin
   for (int64_t j = 0; j < n; ++j) {
     const int64_t t = begin + j;
     A* alpha = st.alpha + j * L;
-    Softmax(st.z + j * L, alpha, L);
+    math::Softmax(st.z + j * L, alpha, L);
     for (int64_t i = 0; i < L; ++i) {
       if (rms_cache != nullptr) rms_cache[t * L + i] = st.r[j * L + i];
       if (alpha_cache != nullptr) alpha_cache[t * L + i] = alpha[i];
@@ -344,7 +333,7 @@ class BackwardPipeline {
     }
     A rms = 1;
     if (kRmsNorm) {
-      rms = need_sum_sq ? Sqrt(sum_sq / static_cast<A>(dim_) + static_cast<A>(p_.eps))
+      rms = need_sum_sq ? math::Rms(sum_sq, dim_, static_cast<A>(p_.eps))
                         : rms_cache_[(tile.begin + j) * L_ + i];
     }
     tile.st.z[j * L_ + i] = static_cast<A>(p_.scale) * (dot_wg / rms);
@@ -359,25 +348,18 @@ class BackwardPipeline {
       A* z = tile.st.z + j * L_;
       A* r = tile.st.r + j * L_;
       A* alpha = tile.st.alpha + j * L_;
-      const A* ga = tile.st.ga + j * L_;
+      A* ga = tile.st.ga + j * L_;
       if (alpha_cache_ != nullptr) {
         for (int64_t i = 0; i < L_; ++i) alpha[i] = alpha_cache_[(tile.begin + j) * L_ + i];
       } else {
-        Softmax(z, alpha, L_);
+        math::Softmax(z, alpha, L_);
       }
-      // gz_i = alpha_i (ga_i - sum_k alpha_k ga_k), computed relative to the source
-      // with the largest alpha: when the softmax is peaked, ga_i - mean is a small
-      // difference of two large numbers, while the ga_k - ga_pivot are exact inputs.
-      int64_t pivot = 0;
-      for (int64_t i = 1; i < L_; ++i) pivot = alpha[i] > alpha[pivot] ? i : pivot;
-      const A ga_pivot = ga[pivot];
-      A mean_delta = 0;
-      for (int64_t i = 0; i < L_; ++i) mean_delta += alpha[i] * (ga[i] - ga_pivot);
+      A* gz = ga;  // dL/dz_i replaces dot(g, v_i)
+      math::SoftmaxBackward(alpha, ga, L_, A(0), gz);
       for (int64_t i = 0; i < L_; ++i) {
-        const A gz = alpha[i] * ((ga[i] - ga_pivot) - mean_delta);
-        const A b = kRmsNorm ? -gz * z[i] / (static_cast<A>(dim_) * r[i] * r[i]) : A(0);
-        r[i] = scale * gz / r[i];  // a_i
-        z[i] = b;
+        const math::KeyChain<A> chain = math::KeyGradient(z[i], r[i], scale, dim_, kRmsNorm);
+        r[i] = gz[i] * chain.a;  // a_i
+        z[i] = gz[i] * chain.b;  // b_i
       }
     }
   }

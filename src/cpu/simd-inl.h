@@ -48,12 +48,6 @@ typedef _Float16 VecH __attribute__((vector_size(kVectorBytes / 2)));
 // source (15 loads and moves per source and chunk in the backward's pass 2).
 #define ATTNRES_INLINE __attribute__((always_inline))
 
-// Math through builtins, not <cmath>'s inline std:: overloads, which the linker
-// could share between variants.
-inline float Exp(float x) { return __builtin_expf(x); }
-inline double Exp(double x) { return __builtin_exp(x); }
-inline float Sqrt(float x) { return __builtin_sqrtf(x); }
-inline double Sqrt(double x) { return __builtin_sqrt(x); }
 
 
 // Elem<T>: how a storage type is loaded into, and stored from, vectors and
