@@ -91,6 +91,35 @@ ATTNRES_HD void Softmax(const A* z, A* alpha, int64_t n) {
   for (int64_t i = 0; i < n; ++i) alpha[i] *= inv_denom;
 }
 
+// The softmax in one pass, for kernels that read each source once (the CUDA
+// forward): a running max m and denominator s = sum_j exp(z_j - m) over the
+// logits added so far, with every accumulator of exp(z_j - m)-weighted terms kept
+// relative to the same m. Add(z) folds in the next logit, m' = max(m, z), and
+// returns the factor for what was accumulated, exp(m - m'), and z's weight
+// exp(z - m'). The cases come out as Softmax's: a -inf logit gets weight 0 even
+// before any finite one (exp(-inf - -inf) would be NaN), so a leading -inf gives
+// alpha = 0 and a finite h; a NaN or +inf logit makes s, so every alpha and h, NaN.
+template <typename A>
+struct OnlineSoftmax {
+  struct Step {
+    A rescale, weight;
+  };
+  A max = -static_cast<A>(__builtin_huge_val());
+  A denom = 0;
+
+  ATTNRES_HD Step Add(A z) {
+    const A new_max = z > max ? z : max;  // a NaN z keeps the max; its weight is NaN
+    const Step step{new_max == max ? A(1) : Exp(max - new_max),
+                    z == -static_cast<A>(__builtin_huge_val()) ? A(0) : Exp(z - new_max)};
+    denom = denom * step.rescale + step.weight;
+    max = new_max;
+    return step;
+  }
+
+  // The weight of logit z once every logit has been added.
+  ATTNRES_HD A Alpha(A z) const { return Exp(z - max) / denom; }
+};
+
 // log sum_i exp(z[i * stride]) over n logits, the max subtracted first.
 template <typename A>
 ATTNRES_HD A LogSumExp(const A* z, int64_t n, int64_t stride = 1) {
