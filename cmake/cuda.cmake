@@ -14,9 +14,9 @@ set(ATTNRES_CUDA_ARCHITECTURES "80;90" CACHE STRING
     "CUDA architectures of the attnres CUDA backend")
 
 set(_attnres_cuda_dir ${CMAKE_CURRENT_LIST_DIR}/../src/cuda)
-target_sources(attnres PRIVATE ${_attnres_cuda_dir}/attnres_cuda.cu)
-set_source_files_properties(${_attnres_cuda_dir}/attnres_cuda.cu PROPERTIES
-  OBJECT_DEPENDS "${_attnres_cuda_dir}/common.cuh;${_attnres_cuda_dir}/fused_kernels.cuh;${_attnres_cuda_dir}/generic_kernels.cuh")
+target_sources(attnres PRIVATE ${_attnres_cuda_dir}/block_attn_res.cu)
+set_source_files_properties(${_attnres_cuda_dir}/block_attn_res.cu PROPERTIES
+  OBJECT_DEPENDS "${_attnres_cuda_dir}/common.cuh;${_attnres_cuda_dir}/block_attn_res_fused.cuh;${_attnres_cuda_dir}/block_attn_res_generic.cuh")
 
 set_target_properties(attnres PROPERTIES
   CUDA_ARCHITECTURES "${ATTNRES_CUDA_ARCHITECTURES}"

@@ -25,8 +25,8 @@
 
 #include "backend.h"
 #include "cuda/common.cuh"
-#include "cuda/fused_kernels.cuh"
-#include "cuda/generic_kernels.cuh"
+#include "cuda/block_attn_res_fused.cuh"
+#include "cuda/block_attn_res_generic.cuh"
 
 namespace attnres {
 namespace cuda {
