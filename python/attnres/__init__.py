@@ -1,20 +1,21 @@
 """attnres: fused Block Attention Residuals (Kimi team, arXiv:2603.15031).
 
-Seed-compatible functions (drop-in for the original PyPTO/Ascend operator):
+Seed-compatible functions (drop-in for the original PyPTO/Ascend operator; attnres.compat):
     block_attn_res, block_attn_res_backward
     ai_infra_block_attn_res, ai_infra_block_attn_res_backward (the same functions)
-Training: block_attn_res_fn (autograd; the torch.library op attnres::block_attn_res,
-torch.compile-ready) and the module attnres.nn.BlockAttnRes.
+Training: block_attn_res_fn (attnres.functional; autograd over the torch.library op
+attnres::block_attn_res in attnres.ops, torch.compile-ready) and the module
+attnres.nn.BlockAttnRes.
 Runtime controls: set_num_threads, get_num_threads, cpu_isa, set_cpu_isa,
 cuda_available.
 """
 
 from ._native import (__version__, cpu_isa, cuda_available, get_num_threads, set_cpu_isa,
                       set_num_threads)
-from .functional import (ai_infra_block_attn_res, ai_infra_block_attn_res_backward,
-                         block_attn_res, block_attn_res_backward)
-from .ops import block_attn_res_fn
-from . import nn
+from .compat import (ai_infra_block_attn_res, ai_infra_block_attn_res_backward,
+                     block_attn_res, block_attn_res_backward)
+from .functional import block_attn_res_fn
+from . import compat, nn
 
 __all__ = [
     "__version__",
@@ -23,6 +24,7 @@ __all__ = [
     "block_attn_res",
     "block_attn_res_backward",
     "block_attn_res_fn",
+    "compat",
     "cpu_isa",
     "cuda_available",
     "get_num_threads",

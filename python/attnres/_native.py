@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import array
 import ctypes
-import math
 import os
 import struct
 import sys
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+
+from . import _validate
 
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 _ELEMENT_BYTES = {torch.float32: 4, torch.float64: 8, torch.bfloat16: 2, torch.float16: 2}
@@ -305,72 +306,20 @@ def _call(function, params: bytes, like: torch.Tensor) -> None:
         _check(function(params))
 
 
-def _stream_and_device(x: torch.Tensor) -> Tuple[int, int]:
+def _stream_and_device(function: str, x: torch.Tensor) -> Tuple[int, int]:
     if x.is_cpu:
         return _DEVICE_CPU, 0
     if x.is_cuda:
         return _DEVICE_CUDA, torch.cuda.current_stream(x.device).cuda_stream
-    raise ValueError(f"tensors must be on the CPU or a CUDA device, got {x.device}")
-
-
-def _sources(blocks, partial, proj_weight, gamma) -> Tuple[List[torch.Tensor], int, torch.dtype]:
-    """[*blocks, partial] once their shapes, dtypes and devices agree, with D and the
-    dtype. The loop is the per-call cost that grows with L: cheap checks first."""
-    sources = list(blocks)
-    if partial is not None:
-        sources.append(partial)
-    if not sources:
-        raise ValueError("at least one source is needed: blocks is empty and partial is None")
-    first = sources[0]
-    if first.dim() == 0:
-        raise ValueError("blocks must have a last dimension D, got a 0-d tensor")
-    dtype, shape, device = first.dtype, first.shape, first.device
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of bfloat16, float16, float32, float64, got {dtype}")
-    on_cpu = first.is_cpu
-    dim = shape[-1]
-    named_vectors = (("proj_weight", proj_weight), ("gamma", gamma))
-    for t in sources + [v for _, v in named_vectors if v is not None]:
-        if (t.dtype is not dtype or t.layout is not torch.strided
-                or not (t.is_cpu if on_cpu else t.device == device)):
-            break
-    else:
-        if all(t.shape == shape for t in sources) and proj_weight.shape == (dim,) and (
-                gamma is None or gamma.shape == (dim,)):
-            return sources, dim, dtype
-    # Something is off: find the first culprit for the message.
-    names = [f"blocks[{i}]" for i in range(len(blocks))] + (["partial"] if partial is not None else [])
-    for name, t in list(zip(names, sources)) + [nv for nv in named_vectors if nv[1] is not None]:
-        if t.layout is not torch.strided:
-            raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-        if t.dtype is not dtype:
-            raise ValueError(f"{name} dtype must be {dtype} (all inputs share one dtype), got {t.dtype}")
-        if t.device != device:
-            raise ValueError(f"{name} device must be {device}, got {t.device}")
-    for name, t in zip(names, sources):
-        if t.shape != shape:
-            raise ValueError(f"{name} shape must be {tuple(shape)}, got {tuple(t.shape)}")
-    for name, t in named_vectors:
-        if t is not None and tuple(t.shape) != (dim,):
-            raise ValueError(f"{name} shape must be ({dim},), got {tuple(t.shape)}")
-    raise AssertionError("unreachable: a check failed above")
+    raise _validate.error(function, "blocks", "on the CPU or a CUDA device", str(x.device))
 
 
 def _trusted_sources(blocks, partial) -> Tuple[List[torch.Tensor], int, torch.dtype]:
-    """[*blocks, partial] for a caller that has checked shapes, dtypes, devices and
-    layouts itself (the seed-compatible functions): their checks, not twice."""
+    """[*blocks, partial], D and the dtype, for a caller that has validated them."""
     sources = list(blocks)
     if partial is not None:
         sources.append(partial)
     return sources, sources[0].shape[-1], sources[0].dtype
-
-
-def _check_scalars(scale: float, eps: float) -> None:
-    # Checked here too because an empty batch returns before reaching the C ABI.
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be finite and >= 0, got {eps}")
 
 
 def _vector(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -380,22 +329,26 @@ def _vector(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def forward(blocks: Sequence[torch.Tensor], partial: Optional[torch.Tensor],
             proj_weight: torch.Tensor, gamma: Optional[torch.Tensor], *, scale: float,
             eps: float, rmsnorm: bool, want_rms: bool = False, want_alpha: bool = False,
-            _validated: bool = False):
+            function: str = "attnres._native.forward", _validated: bool = False):
     """h = sum_i softmax_i(z) v_i over the sources [*blocks, partial].
 
     Returns (h, rms, alpha): h has the shape and dtype of the sources; rms and
     alpha are [..., L] of the accumulation dtype, or None when not requested.
+    Errors name `function`; `_validated`: the caller has run the validator itself.
     """
-    sources, dim, dtype = (_trusted_sources(blocks, partial) if _validated
-                           else _sources(blocks, partial, proj_weight, gamma))
-    _check_scalars(scale, eps)
-    if want_rms and not rmsnorm:
-        raise ValueError("want_rms=True needs rmsnorm=True (there is no rms to cache)")
+    if _validated:
+        sources, dim, dtype = _trusted_sources(blocks, partial)
+    else:
+        sources, dim, dtype = _validate.inputs(function, blocks, partial, proj_weight, gamma,
+                                               scale, eps)
+        if want_rms and not rmsnorm:
+            raise _validate.error(function, "want_rms", "False when rmsnorm=False (there is "
+                                  "no rms to cache)", "True")
     sources, stride = _rows(sources, dim)
     first = sources[0]
     num_sources = len(sources)
     tokens = first.numel() // dim if dim else 0
-    device, stream = _stream_and_device(first)
+    device, stream = _stream_and_device(function, first)
     proj_weight, gamma = _vector(proj_weight), _vector(gamma if rmsnorm else None)
 
     out = _new_output(first, tokens * dim * _ELEMENT_BYTES[dtype])
@@ -413,12 +366,11 @@ def forward(blocks: Sequence[torch.Tensor], partial: Optional[torch.Tensor],
     block_ptrs = _pointers([s.data_ptr() for s in sources[:num_blocks]])
     # In _Params._fields_ order; the backward's fields are 0 (NULL).
     p = _pack(_ABI_VERSION, tokens, dim, num_blocks, _DTYPES[dtype], device, stream,
-                     block_ptrs.buffer_info()[0],
-                     sources[-1].data_ptr() if partial is not None else 0, stride,
-                     proj_weight.data_ptr(), gamma.data_ptr() if gamma is not None else 0,
-                     scale, eps, 1 if rmsnorm else 0, out.data_ptr(), dim,
-                     rms.data_ptr() if rms is not None else 0,
-                     alpha.data_ptr() if alpha is not None else 0, 0, 0, 0, 0, 0, 0, 0)
+              block_ptrs.buffer_info()[0], sources[-1].data_ptr() if partial is not None else 0,
+              stride, proj_weight.data_ptr(), gamma.data_ptr() if gamma is not None else 0,
+              scale, eps, 1 if rmsnorm else 0, out.data_ptr(), dim,
+              rms.data_ptr() if rms is not None else 0,
+              alpha.data_ptr() if alpha is not None else 0, 0, 0, 0, 0, 0, 0, 0)
     _call(_lib.attnres_forward, p, first)
     return out, rms, alpha
 
@@ -429,46 +381,45 @@ def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
              rms_cache: Optional[torch.Tensor] = None, alpha_cache: Optional[torch.Tensor] = None,
              need_block_grads: Optional[Sequence[bool]] = None, need_partial_grad: bool = True,
              need_proj_weight_grad: bool = True, need_gamma_grad: bool = True,
-             _validated: bool = False):
+             function: str = "attnres._native.backward", _validated: bool = False):
     """Gradients of h = forward(...) given grad_out = dLoss/dh.
 
     The caches are optional: without them the softmax is recomputed in the same
     pass that reads the sources anyway, so no extra memory traffic. Returns
     (grad_blocks: list of N (tensor or None), grad_partial, grad_proj_weight,
-    grad_gamma); grad_gamma is None when rmsnorm is off.
+    grad_gamma); grad_gamma is None when rmsnorm is off. Errors name `function`;
+    `_validated`: the caller has run the validator itself.
     """
-    sources, dim, dtype = (_trusted_sources(blocks, partial) if _validated
-                           else _sources(blocks, partial, proj_weight, gamma))
-    _check_scalars(scale, eps)
+    rms_cache = rms_cache if rmsnorm else None
+    if _validated:
+        sources, dim, dtype = _trusted_sources(blocks, partial)
+    else:
+        sources, dim, dtype = _validate.inputs(function, blocks, partial, proj_weight, gamma,
+                                               scale, eps)
+        _validate.grad_out(function, "grad_out", grad_out, sources[0])
+        cache_shape = tuple(sources[0].shape[:-1]) + (len(sources),)
+        for name, cache in (("rms_cache", rms_cache), ("alpha_cache", alpha_cache)):
+            if cache is not None:
+                _validate.cache(function, name, cache, cache_shape)
+        if need_block_grads is not None and len(need_block_grads) != len(blocks):
+            raise _validate.error(function, "need_block_grads", f"one flag per block "
+                                  f"({len(blocks)})", f"{len(need_block_grads)} flags")
     num_blocks = len(blocks)
     sources, stride = _rows(sources, dim)
     first = sources[0]
-    num_sources = len(sources)
     tokens = first.numel() // dim if dim else 0
-    device, stream = _stream_and_device(first)
+    device, stream = _stream_and_device(function, first)
     on_cpu = device == _DEVICE_CPU
-    if not (grad_out.shape == first.shape and grad_out.dtype is dtype
-            and grad_out.layout is torch.strided
-            and (grad_out.is_cpu if on_cpu else grad_out.device == first.device)):
-        raise ValueError(f"grad_out must be a dense {tuple(first.shape)} {dtype} tensor on "
-                         f"{first.device}, got {grad_out.layout} {tuple(grad_out.shape)} "
-                         f"{grad_out.dtype} on {grad_out.device}")
     if not grad_out.is_contiguous():
         (grad_out,), grad_stride = _rows([grad_out], dim)
     else:
         grad_stride = dim
     acc = accumulation_dtype(dtype)
     caches = []
-    for name, cache in (("rms_cache", rms_cache if rmsnorm else None), ("alpha_cache", alpha_cache)):
-        if cache is not None:
-            if cache.layout is not torch.strided:
-                raise ValueError(f"{name} must be a dense (strided) tensor, got {cache.layout}")
-            if cache.numel() != tokens * num_sources:
-                raise ValueError(f"{name} must hold {tuple(first.shape[:-1]) + (num_sources,)} "
-                                 f"values, got shape {tuple(cache.shape)}")
-            if not (cache.dtype is acc and cache.is_contiguous()
-                    and (cache.is_cpu if on_cpu else cache.device == first.device)):
-                cache = cache.to(device=first.device, dtype=acc).contiguous()
+    for cache in (rms_cache, alpha_cache):
+        if cache is not None and not (cache.dtype is acc and cache.is_contiguous() and (
+                cache.is_cpu if on_cpu else cache.device == first.device)):
+            cache = cache.to(device=first.device, dtype=acc).contiguous()
         caches.append(cache)
     rms_cache, alpha_cache = caches
     proj_weight, gamma = _vector(proj_weight), _vector(gamma if rmsnorm else None)

@@ -7,7 +7,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .ops import block_attn_res_fn
+from . import _validate
+from .functional import block_attn_res_fn
 
 __all__ = ["BlockAttnRes"]
 
@@ -18,9 +19,12 @@ class BlockAttnRes(nn.Module):
     Owns the pseudo-query ``w`` ``[dim]``, initialised to zeros so that attention starts
     uniform over the sources (as in the report), and, when ``rmsnorm`` is on, the key
     RMSNorm weight ``gamma`` ``[dim]`` (ones). With ``rmsnorm=False`` there is no
-    ``gamma`` parameter (``self.gamma is None``), so no parameter goes unused under DDP.
+    ``gamma`` parameter (``self.gamma is None``), so no parameter goes unused under DDP;
+    ``gamma=False`` keeps the RMSNorm but without a learned weight (as
+    ``nn.RMSNorm(elementwise_affine=False)``: ``self.gamma is None``, the keys are
+    ``v_i / r_i``).
 
-    ``forward(blocks, partial=None)`` takes a list of ``[..., dim]`` tensors and an
+    ``forward(blocks, partial=None)`` takes a list or tuple of ``[..., dim]`` tensors and an
     optional partial block of the same shape and returns ``h`` ``[..., dim]`` in their
     dtype (``blocks`` may be empty when ``partial`` is given). Blocks and partial must
     share one dtype; the parameters are cast to it
@@ -29,17 +33,17 @@ class BlockAttnRes(nn.Module):
     """
 
     def __init__(self, dim: int, *, eps: float = 1e-6, scale: float = 1.0, rmsnorm: bool = True,
-                 dtype: Optional[torch.dtype] = None, device=None) -> None:
+                 gamma: bool = True, dtype: Optional[torch.dtype] = None, device=None) -> None:
         super().__init__()
         if dim < 1:
-            raise ValueError(f"BlockAttnRes: dim must be >= 1, got {dim}")
+            raise _validate.error("BlockAttnRes", "dim", ">= 1", str(dim))
         factory = {"dtype": dtype, "device": device}
         self.dim = dim
         self.eps = eps
         self.scale = scale
         self.rmsnorm = rmsnorm
         self.w = nn.Parameter(torch.empty(dim, **factory))
-        if rmsnorm:
+        if rmsnorm and gamma:
             self.gamma = nn.Parameter(torch.empty(dim, **factory))
         else:
             self.register_parameter("gamma", None)
@@ -51,14 +55,12 @@ class BlockAttnRes(nn.Module):
             nn.init.ones_(self.gamma)
 
     def forward(self, blocks: Sequence[Tensor], partial: Optional[Tensor] = None) -> Tensor:
-        first = blocks[0] if len(blocks) else partial
-        if first is None:
-            raise ValueError("BlockAttnRes: at least one source is needed: blocks is empty and "
-                             "partial is None")
+        first, _ = _validate.first_source("BlockAttnRes", blocks, partial)
         dtype = first.dtype
         gamma = self.gamma.to(dtype) if self.gamma is not None else None
         return block_attn_res_fn(blocks, partial, self.w.to(dtype), gamma,
                                  eps=self.eps, scale=self.scale, rmsnorm=self.rmsnorm)
 
     def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}, scale={self.scale}, rmsnorm={self.rmsnorm}"
+        gamma = ", gamma=False" if self.rmsnorm and self.gamma is None else ""
+        return f"{self.dim}, eps={self.eps}, scale={self.scale}, rmsnorm={self.rmsnorm}{gamma}"

@@ -1,4 +1,5 @@
-"""Block AttnRes as a differentiable ``torch.library`` custom op.
+"""Block AttnRes as differentiable ``torch.library`` custom ops (the public function
+over them is ``attnres.functional.block_attn_res_fn``).
 
 Math (SPEC section 1), per token, over the sources ``V = [b_0, ..., b_{N-1}, p]``
 (``L = N + 1`` with a partial block ``p``, ``N`` without)::
@@ -36,66 +37,19 @@ autocast, where matmul outputs are bf16 while the embedding stays fp32 -- raises
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import _native
+from . import _native, _validate
 
 if not hasattr(torch.library, "custom_op"):
     raise ImportError(f"attnres.ops needs torch >= 2.4 (torch.library.custom_op), found torch "
                       f"{torch.__version__}")
 
-__all__ = ["block_attn_res_fn"]
-
-_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-
-
-def _check_inputs(blocks: Sequence[Tensor], partial: Optional[Tensor], w: Tensor,
-                  gamma: Optional[Tensor]) -> None:
-    """Raises ValueError naming the first argument whose shape, dtype or device is off."""
-    if len(blocks) == 0 and partial is None:
-        raise ValueError("block_attn_res: at least one source is needed: blocks is empty and "
-                         "partial is None")
-    first, first_name = (blocks[0], "blocks[0]") if len(blocks) else (partial, "partial")
-    if not isinstance(first, Tensor):
-        raise ValueError(f"block_attn_res: {first_name} must be a torch.Tensor, got "
-                         f"{type(first).__name__}")
-    if first.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(
-            f"block_attn_res: {first_name} has dtype {first.dtype}; expected one of "
-            f"{', '.join(str(d) for d in _SUPPORTED_DTYPES)}")
-    if first.dim() < 1:
-        raise ValueError(f"block_attn_res: {first_name} must have at least one dimension "
-                         f"([..., D]), got a 0-d tensor")
-    dtype, device, shape = first.dtype, first.device, first.shape
-    dim = shape[-1]
-
-    def check(name: str, t: object, expected_shape, whose: str) -> None:
-        if not isinstance(t, Tensor):
-            raise ValueError(f"block_attn_res: {name} must be a torch.Tensor, got "
-                             f"{type(t).__name__}")
-        if t.dtype != dtype:
-            raise ValueError(
-                f"block_attn_res: {name} has dtype {t.dtype}, expected {dtype} (the dtype of "
-                f"{first_name}); all inputs must share one dtype (the op does not cast, also not "
-                f"under torch.autocast: cast the residual stream to one dtype)")
-        if t.device != device:
-            raise ValueError(f"block_attn_res: {name} is on device {t.device}, expected {device} "
-                             f"(the device of {first_name})")
-        if tuple(t.shape) != tuple(expected_shape):
-            raise ValueError(f"block_attn_res: {name} has shape {tuple(t.shape)}, expected "
-                             f"{tuple(expected_shape)} ({whose})")
-
-    for i in range(1, len(blocks)):
-        check(f"blocks[{i}]", blocks[i], shape, f"the shape of {first_name}")
-    if partial is not None:
-        check("partial", partial, shape, f"the shape of {first_name}")
-    vector_note = f"D, the last dimension of {first_name}"
-    check("w", w, (dim,), vector_note)
-    if gamma is not None:
-        check("gamma", gamma, (dim,), vector_note)
+_FORWARD = "attnres::block_attn_res"
+_BACKWARD = "attnres::block_attn_res_backward"
 
 
 # ---------------------------------------------------------------------------------
@@ -106,15 +60,15 @@ def _check_inputs(blocks: Sequence[Tensor], partial: Optional[Tensor], w: Tensor
 def _block_attn_res(blocks: list[Tensor], partial: Optional[Tensor], w: Tensor,
                     gamma: Optional[Tensor], eps: float, scale: float, rmsnorm: bool) -> Tensor:
     h, _, _ = _native.forward(blocks, partial, w, gamma if rmsnorm else None,
-                              scale=scale, eps=eps, rmsnorm=rmsnorm)
+                              scale=scale, eps=eps, rmsnorm=rmsnorm, function=_FORWARD)
     return h
 
 
 @_block_attn_res.register_fake
 def _block_attn_res_fake(blocks, partial, w, gamma, eps, scale, rmsnorm):
-    _check_inputs(blocks, partial, w, gamma)
-    first = blocks[0] if len(blocks) else partial
-    return first.new_empty(first.shape)
+    sources, _, _ = _validate.inputs(_FORWARD, blocks, partial, w, gamma if rmsnorm else None,
+                                     scale, eps)
+    return sources[0].new_empty(sources[0].shape)
 
 
 # ---------------------------------------------------------------------------------
@@ -132,7 +86,7 @@ def _block_attn_res_backward(grad_out: Tensor, blocks: list[Tensor], partial: Op
         need_block_grads=list(need_blocks),
         need_partial_grad=need_partial and partial is not None,
         need_proj_weight_grad=need_w,
-        need_gamma_grad=need_gamma and rmsnorm)
+        need_gamma_grad=need_gamma and rmsnorm, function=_BACKWARD)
     grads = [g for g, need in zip(grad_blocks, need_blocks) if need]
     if need_partial and partial is not None:
         grads.append(grad_partial)
@@ -189,40 +143,3 @@ def _backward(ctx, grad_h):
 
 
 _block_attn_res.register_autograd(_backward, setup_context=_setup_context)
-
-
-# ---------------------------------------------------------------------------------
-# Public function
-# ---------------------------------------------------------------------------------
-
-def block_attn_res_fn(blocks: Sequence[Tensor], partial: Optional[Tensor], w: Tensor,
-                      gamma: Optional[Tensor] = None, *, eps: float = 1e-6, scale: float = 1.0,
-                      rmsnorm: bool = True) -> Tensor:
-    """Block AttnRes over ``blocks + [partial]``; differentiable in every tensor argument.
-
-    Args:
-        blocks: the N completed block representations, each ``[..., D]`` (same shape,
-            dtype and device). Read in place: neither stacked nor copied, and saved for
-            the backward by reference. May be empty only when ``partial`` is given.
-        partial: the running partial block ``[..., D]``, or None (then ``L = N``).
-        w: the pseudo-query ``[D]``.
-        gamma: the RMSNorm weight ``[D]``; None means ones. Ignored (and given no
-            gradient) when ``rmsnorm`` is False.
-        eps: added to the mean square inside the RMSNorm.
-        scale: multiplies the logits ``dot(w, k_i)``.
-        rmsnorm: normalise the keys (not the values) with RMSNorm.
-
-    Returns:
-        ``h`` ``[..., D]``, a new contiguous tensor in the input dtype.
-
-    Gradients go to exactly the arguments with ``requires_grad``; a block without it is
-    never written a gradient. All tensors must share one dtype (bf16, fp16, fp32, fp64)
-    and device; otherwise ``ValueError`` names the offending argument. Under
-    ``torch.autocast`` nothing is cast: the op computes in its inputs' dtype.
-    """
-    blocks = list(blocks)
-    if not rmsnorm:
-        gamma = None
-    _check_inputs(blocks, partial, w, gamma)
-    return torch.ops.attnres.block_attn_res(blocks, partial, w, gamma, float(eps), float(scale),
-                                            bool(rmsnorm))

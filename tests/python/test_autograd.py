@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import attnres.ops as ops
-from attnres.ops import block_attn_res_fn
+from attnres.functional import block_attn_res_fn
 from model_reference import reference_block_attn_res
 
 SHAPE = (2, 3, 8)  # [B, T, D]
@@ -214,22 +214,22 @@ def test_mixed_dtype_names_argument():
     }
     for name, args in cases.items():
         with pytest.raises(ValueError,
-                           match=re.escape(name) + r" has dtype .* expected torch\.float32"):
+                           match=re.escape(name) + r" must be a torch\.float32 tensor .*, got torch\."):
             block_attn_res_fn(*args)
 
 
 def test_bad_shapes_and_no_sources():
     blocks, p, w, g = sample_inputs(2)
-    with pytest.raises(ValueError, match=r"at least one source is needed"):
+    with pytest.raises(ValueError, match=r"blocks must be non-empty when partial is None"):
         block_attn_res_fn([], None, w, g)
     with pytest.raises(ValueError,
-                       match=r"blocks\[1\] has shape \(2, 3, 4\), expected \(2, 3, 8\)"):
+                       match=r"blocks\[1\] must be of shape \(2, 3, 8\) .*, got shape \(2, 3, 4\)"):
         block_attn_res_fn([blocks[0], blocks[1][..., :4]], p, w, g)
-    with pytest.raises(ValueError, match=r"partial has shape"):
+    with pytest.raises(ValueError, match=r"partial must be of shape"):
         block_attn_res_fn(blocks, p[:1], w, g)
-    with pytest.raises(ValueError, match=r"w has shape \(4,\), expected \(8,\)"):
+    with pytest.raises(ValueError, match=r"w must be of shape \(8,\) .*, got shape \(4,\)"):
         block_attn_res_fn(blocks, p, w[:4], g)
-    with pytest.raises(ValueError, match=r"blocks\[0\] has dtype torch\.int64"):
+    with pytest.raises(ValueError, match=r"blocks\[0\] must be .*, got torch\.int64"):
         block_attn_res_fn([torch.zeros(2, 8, dtype=torch.long)], None, w, g)
 
 
@@ -262,6 +262,6 @@ def test_autocast_mixed_dtype_is_a_clear_error():
     lin = torch.nn.Linear(8, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         sub_layer_out = lin(blocks[0])  # bf16 under autocast; the blocks stay fp32
-        with pytest.raises(ValueError, match=r"partial has dtype torch\.bfloat16, expected "
-                                             r"torch\.float32 .*autocast"):
+        with pytest.raises(ValueError, match=r"partial must be a torch\.float32 tensor .*, "
+                                             r"got torch\.bfloat16 .*autocast"):
             block_attn_res_fn(blocks, sub_layer_out, w, g)

@@ -7,7 +7,7 @@ import torch
 
 import attnres.ops  # noqa: F401  (registers torch.ops.attnres.*)
 from attnres.nn import BlockAttnRes
-from attnres.ops import block_attn_res_fn
+from attnres.functional import block_attn_res_fn
 from model_reference import TinyAttnResLM, lm_loss, randomize_attn_res
 
 

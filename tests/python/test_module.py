@@ -7,8 +7,9 @@ import io
 import pytest
 import torch
 
+import attnres.ops as ops
 from attnres.nn import BlockAttnRes
-from attnres.ops import block_attn_res_fn
+from attnres.functional import block_attn_res_fn
 from model_reference import TinyAttnResLM, lm_loss, randomize_attn_res
 
 
@@ -22,6 +23,39 @@ def test_init_and_repr():
     assert m.gamma is None and [n for n, _ in m.named_parameters()] == ["w"]
     assert m.w.dtype == torch.float64
     assert "rmsnorm=False" in repr(m)
+
+
+def test_rmsnorm_without_learned_gamma(monkeypatch):
+    """gamma=False: RMSNorm on, no gamma parameter (like nn.RMSNorm(elementwise_affine=False));
+    the op is called with gamma=None, which the C ABI takes as ones."""
+    m = BlockAttnRes(8, gamma=False, dtype=torch.float64)
+    assert m.gamma is None and [n for n, _ in m.named_parameters()] == ["w"]
+    assert m.state_dict().keys() == {"w"}
+    assert repr(m) == "BlockAttnRes(8, eps=1e-06, scale=1.0, rmsnorm=True, gamma=False)"
+    assert "gamma" not in repr(BlockAttnRes(8, rmsnorm=False, gamma=False))
+    with torch.no_grad():
+        m.w.normal_()
+    blocks = [torch.randn(2, 3, 8, dtype=torch.float64) * (i + 1) for i in range(3)]
+    partial = torch.randn(2, 3, 8, dtype=torch.float64)
+
+    calls = []
+    native_forward = ops._native.forward
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return native_forward(*args, **kwargs)
+
+    monkeypatch.setattr(ops._native, "forward", spy)
+    h = m(blocks, partial)
+    (args, kwargs), = calls
+    assert args[3] is None and kwargs["rmsnorm"] is True  # gamma, rmsnorm
+
+    ones = torch.ones(8, dtype=torch.float64)
+    torch.testing.assert_close(h, block_attn_res_fn(blocks, partial, m.w, ones), rtol=0, atol=0)
+    # The RMSNorm is on: the blocks' different scales do not change the keys.
+    assert not torch.allclose(h, block_attn_res_fn(blocks, partial, m.w, rmsnorm=False))
+    h.sum().backward()
+    assert m.w.grad is not None
 
 
 def test_zero_w_is_uniform_attention():
@@ -72,7 +106,7 @@ def test_parameters_cast_to_activation_dtype():
     assert h.dtype == torch.bfloat16
     h.float().sum().backward()
     assert m.w.grad.dtype == torch.float32 and m.gamma.grad.dtype == torch.float32
-    with pytest.raises(ValueError, match=r"partial has dtype torch\.float32"):
+    with pytest.raises(ValueError, match=r"partial must be a torch\.bfloat16 tensor .*, got torch\.float32"):
         m(blocks, torch.randn(2, 8))
 
 

@@ -1,0 +1,237 @@
+"""The one validator of the Python front ends.
+
+Every front end (``block_attn_res_fn``, the torch.library ops and their fake
+implementations, ``attnres.nn.BlockAttnRes``, the binding in ``_native``, and the
+seed-compatible functions in ``compat``) checks its arguments here, before any
+pointer reaches the C ABI: the library can check pointers and sizes but not that a
+tensor holds as many elements as the sizes claim. Every failure is a ``ValueError``
+in one style::
+
+    <function>: <argument> must be <expected>, got <actual>
+
+The seed's own rules (3-D tensors, N <= 127, L <= 128, required gamma and caches)
+are layered on top in ``seed_forward`` / ``seed_backward``, for the seed-compatible
+functions only; the native API has no such limits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+_DTYPE_NOTE = ("all inputs share one dtype: the op does not cast, also not under "
+               "torch.autocast; cast the residual stream to one dtype")
+
+
+class Names(NamedTuple):
+    """What a front end calls the partial block, the pseudo-query, gamma and eps."""
+
+    partial: str
+    w: str
+    gamma: str
+    eps: str
+
+
+NATIVE_NAMES = Names("partial", "w", "gamma", "eps")
+SEED_NAMES = Names("partial_block", "proj_weight", "rmsnorm_gamma", "rmsnorm_eps")
+
+# The seed's hardware limits, kept by the seed-compatible functions only.
+SEED_MAX_BLOCKS = 127
+SEED_MAX_SOURCES = 128
+
+
+def error(function: str, argument: str, expected: str, actual: str,
+          note: str = "") -> ValueError:
+    message = f"{function}: {argument} must be {expected}, got {actual}"
+    return ValueError(f"{message} ({note})" if note else message)
+
+
+def _kind(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def tensor(function: str, name: str, t: object, shape: Optional[Sequence[int]],
+           dtype: Optional[torch.dtype], device: torch.device, reference: str,
+           shape_meaning: str) -> None:
+    """Raises for the first of type, layout, dtype, device and shape of `t` that is off.
+    `reference` names the argument that fixed dtype and device; `shape_meaning` says
+    where `shape` comes from. dtype None accepts any dtype."""
+    if not isinstance(t, torch.Tensor):
+        raise error(function, name, "a torch.Tensor", _kind(t))
+    if t.layout is not torch.strided:
+        raise error(function, name, "a dense (strided) tensor", f"layout {t.layout}")
+    if dtype is not None and t.dtype is not dtype:
+        raise error(function, name, f"a {dtype} tensor (the dtype of {reference})",
+                    str(t.dtype), _DTYPE_NOTE)
+    if t.device != device:
+        raise error(function, name, f"on {device} (the device of {reference})", str(t.device))
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise error(function, name, f"of shape {tuple(shape)} ({shape_meaning})",
+                    f"shape {tuple(t.shape)}")
+
+
+def first_source(function: str, blocks: object, partial: object,
+                 names: Names = NATIVE_NAMES) -> Tuple[torch.Tensor, str]:
+    """The first source and its name, once blocks is a list or tuple (a [B, T, D] tensor
+    would otherwise be taken for B blocks of [T, D]) and that source is a tensor of a
+    supported dtype with a last dimension D."""
+    if not isinstance(blocks, (list, tuple)):
+        raise error(function, "blocks", "a list or tuple of tensors", _kind(blocks))
+    if len(blocks):
+        first, first_name = blocks[0], "blocks[0]"
+    elif partial is not None:
+        first, first_name = partial, names.partial
+    else:
+        raise error(function, "blocks", f"non-empty when {names.partial} is None",
+                    f"an empty {type(blocks).__name__}")
+    if not isinstance(first, torch.Tensor):
+        raise error(function, first_name, "a torch.Tensor", _kind(first))
+    if first.dtype not in SUPPORTED_DTYPES:
+        raise error(function, first_name, "a bfloat16, float16, float32 or float64 tensor",
+                    str(first.dtype))
+    if first.dim() == 0:
+        raise error(function, first_name, "a tensor [..., D]", "a 0-d tensor")
+    return first, first_name
+
+
+def sources(function: str, blocks: object, partial: object, w: object, gamma: object,
+            names: Names = NATIVE_NAMES) -> Tuple[List[torch.Tensor], int, torch.dtype]:
+    """[*blocks, partial] once first_source() holds and every tensor agrees with the
+    first source (dtype, device, dense layout; the sources' shape, [D] for w and gamma),
+    with D and the dtype. gamma may be None. This runs on every call and its loop grows
+    with L: the common case is one pass of cheap tests; messages are built only on failure."""
+    first, first_name = first_source(function, blocks, partial, names)
+    all_sources = list(blocks)
+    if partial is not None:
+        all_sources.append(partial)
+    dtype, shape, device, dim = first.dtype, first.shape, first.device, first.shape[-1]
+    on_cpu = first.is_cpu
+    vectors = [(names.w, w)] + ([(names.gamma, gamma)] if gamma is not None else [])
+    try:
+        for t in all_sources + [v for _, v in vectors]:
+            if (t.dtype is not dtype or t.layout is not torch.strided
+                    or not (t.is_cpu if on_cpu else t.device == device)):
+                break
+        else:
+            if all(t.shape == shape for t in all_sources) and all(
+                    v.shape == (dim,) for _, v in vectors):
+                return all_sources, dim, dtype
+    except AttributeError:  # not a tensor: named below
+        pass
+    source_names = [f"blocks[{i}]" for i in range(len(blocks))] + (
+        [names.partial] if partial is not None else [])
+    for name, t in zip(source_names, all_sources):
+        tensor(function, name, t, shape, dtype, device, first_name, f"the shape of {first_name}")
+    for name, t in vectors:
+        tensor(function, name, t, (dim,), dtype, device, first_name,
+               f"D, the last dimension of {first_name}")
+    raise AssertionError("unreachable: a check above fails")
+
+
+def scalars(function: str, scale: float, eps: float, names: Names = NATIVE_NAMES) -> None:
+    # Checked here too because an empty batch returns before reaching the C ABI.
+    if not math.isfinite(scale):
+        raise error(function, "scale", "finite", str(scale))
+    if not (math.isfinite(eps) and eps >= 0):
+        raise error(function, names.eps, "finite and >= 0", str(eps))
+
+
+def inputs(function: str, blocks: object, partial: object, w: object, gamma: object,
+           scale: float, eps: float) -> Tuple[List[torch.Tensor], int, torch.dtype]:
+    """The checks of every native front end: sources() and scalars()."""
+    result = sources(function, blocks, partial, w, gamma)
+    scalars(function, scale, eps)
+    return result
+
+
+def grad_out(function: str, name: str, t: object, first: torch.Tensor) -> None:
+    """The upstream gradient has the sources' shape, dtype, device and a dense layout."""
+    if not (isinstance(t, torch.Tensor) and t.shape == first.shape and t.dtype is first.dtype
+            and t.layout is torch.strided and t.device == first.device):
+        tensor(function, name, t, first.shape, first.dtype, first.device, "the sources",
+               "the shape of the sources")
+
+
+def cache(function: str, name: str, t: object, shape: Tuple[int, ...]) -> None:
+    """A cache of the native API: any dtype and shape holding prod(shape) values (it is
+    converted to the accumulation dtype, contiguous, on the sources' device)."""
+    if not isinstance(t, torch.Tensor):
+        raise error(function, name, "a torch.Tensor", _kind(t))
+    if t.layout is not torch.strided:
+        raise error(function, name, "a dense (strided) tensor", f"layout {t.layout}")
+    if t.numel() != math.prod(shape):
+        raise error(function, name, f"a tensor of {math.prod(shape)} values ([..., L] = {shape})",
+                    f"shape {tuple(t.shape)}")
+
+
+# ---------------------------------------------------------------------------------
+# The seed's rules, on top of the above
+# ---------------------------------------------------------------------------------
+
+def _seed_blocks(function: str, blocks: object) -> None:
+    if isinstance(blocks, (list, tuple)) and not blocks:
+        raise error(function, "blocks", "a non-empty list of tensors (the seed needs N >= 1)",
+                    "an empty list")
+    first_source(function, blocks, None, SEED_NAMES)
+    if blocks[0].dim() != 3:
+        raise error(function, "blocks[0]", "a 3-D tensor [B, T, D]",
+                    f"shape {tuple(blocks[0].shape)}")
+
+
+def seed_forward(blocks, proj_weight, partial_block, scale, rmsnorm_eps, rmsnorm_gamma,
+                 enable_rmsnorm, rms_out_flag) -> None:
+    """The seed's _validate_forward_inputs, its limit N <= 127, and the native checks."""
+    function = "block_attn_res"
+    _seed_blocks(function, blocks)
+    if len(blocks) > SEED_MAX_BLOCKS:
+        raise error(function, "blocks", f"at most {SEED_MAX_BLOCKS} tensors (the seed's limit "
+                    f"N <= {SEED_MAX_BLOCKS}, L <= {SEED_MAX_SOURCES}; attnres.block_attn_res_fn "
+                    "has none)", f"N = {len(blocks)}")
+    # The seed checks a given gamma even when RMSNorm is off.
+    sources(function, blocks, partial_block, proj_weight, rmsnorm_gamma, SEED_NAMES)
+    scalars(function, scale, rmsnorm_eps, SEED_NAMES)
+    if enable_rmsnorm and rmsnorm_gamma is None:
+        raise error(function, "rmsnorm_gamma", "a [D] tensor when enable_rmsnorm=True", "None")
+    if rms_out_flag and not enable_rmsnorm:
+        raise error(function, "rms_out_flag", "False when enable_rmsnorm=False (there is no "
+                    "RMSNorm output to cache)", "True")
+
+
+def seed_backward(grad_h, blocks, proj_weight, alpha_cache, partial_block, rmsnorm_gamma,
+                  rms_cache, scale, enable_rmsnorm) -> None:
+    """The seed's _validate_backward_inputs, its limit L <= 128, and the native checks."""
+    function = "block_attn_res_backward"
+    _seed_blocks(function, blocks)
+    # gamma plays no part (and is not checked) without RMSNorm, as in the seed.
+    gamma = rmsnorm_gamma if enable_rmsnorm else None
+    all_sources, _, _ = sources(function, blocks, partial_block, proj_weight, gamma,
+                                    SEED_NAMES)
+    scalars(function, scale, 0.0, SEED_NAMES)
+    first = all_sources[0]
+    b, t, _ = first.shape
+    num_sources = len(all_sources)
+    grad_out(function, "grad_h", grad_h, first)
+    meaning = f"L = {num_sources}"
+    if alpha_cache is None:
+        raise error(function, "alpha_cache", "a [B, T, L] tensor", "None")
+    tensor(function, "alpha_cache", alpha_cache, (b, t, num_sources), None, first.device,
+           "blocks[0]", f"[B, T, L] with {meaning}")
+    if enable_rmsnorm:
+        if rmsnorm_gamma is None:
+            raise error(function, "rmsnorm_gamma", "a [D] tensor when enable_rmsnorm=True",
+                        "None")
+        if rms_cache is None:
+            raise error(function, "rms_cache", "a [B, T, L, 1] tensor when enable_rmsnorm=True",
+                        "None")
+        tensor(function, "rms_cache", rms_cache, (b, t, num_sources, 1), None, first.device,
+               "blocks[0]", f"[B, T, L, 1] with {meaning}")
+    if num_sources > SEED_MAX_SOURCES:
+        raise error(function, "blocks + partial_block", f"at most {SEED_MAX_SOURCES} sources "
+                    f"(the seed's limit L <= {SEED_MAX_SOURCES}; attnres.block_attn_res_fn has "
+                    "none)", f"L = {num_sources}")
