@@ -4,7 +4,9 @@ Tensors are passed by pointer. A tensor is read in place when its rows of D
 elements are contiguous and its leading dimensions collapse to one row stride
 (e.g. contiguous, or a slice ``x[..., :D]`` of a wider tensor); otherwise it is
 copied once with ``.contiguous()``. Nothing is stacked. The library itself does
-not link against libtorch, so one build serves every torch version.
+not link against libtorch, so one build serves every torch version. Arguments are
+checked by ``_validate`` before any pointer is taken, and the struct that carries
+them is checked against the library's own layout at import.
 """
 
 from __future__ import annotations
@@ -100,7 +102,9 @@ def check_params_layout(python: Layout, python_size: int, library: Layout,
     the Python mirror and the library, or when the struct sizes differ: a call with a
     mismatched struct would hand the library pointers in the wrong places."""
     def describe(field) -> str:
-        return "no field" if field is None else f"{field[0]!r} at offset {field[1]}, size {field[2]}"
+        if field is None:
+            return "no field"
+        return f"{field[0]!r} at offset {field[1]}, size {field[2]}"
 
     for i in range(max(len(python), len(library))):
         ours = python[i] if i < len(python) else None

@@ -134,11 +134,13 @@ def sources(function: str, blocks: object, partial: object, w: object, gamma: ob
     raise AssertionError("unreachable: a check above fails")
 
 
-def scalars(function: str, scale: float, eps: float, names: Names = NATIVE_NAMES) -> None:
-    # Checked here too because an empty batch returns before reaching the C ABI.
+def scalars(function: str, scale: float, eps: Optional[float],
+            names: Names = NATIVE_NAMES) -> None:
+    """scale finite, eps (None: not an argument) finite and >= 0. Checked here too because
+    an empty batch returns before reaching the C ABI."""
     if not math.isfinite(scale):
         raise error(function, "scale", "finite", str(scale))
-    if not (math.isfinite(eps) and eps >= 0):
+    if eps is not None and not (math.isfinite(eps) and eps >= 0):
         raise error(function, names.eps, "finite and >= 0", str(eps))
 
 
@@ -210,18 +212,16 @@ def seed_backward(grad_h, blocks, proj_weight, alpha_cache, partial_block, rmsno
     _seed_blocks(function, blocks)
     # gamma plays no part (and is not checked) without RMSNorm, as in the seed.
     gamma = rmsnorm_gamma if enable_rmsnorm else None
-    all_sources, _, _ = sources(function, blocks, partial_block, proj_weight, gamma,
-                                    SEED_NAMES)
-    scalars(function, scale, 0.0, SEED_NAMES)
+    all_sources, _, _ = sources(function, blocks, partial_block, proj_weight, gamma, SEED_NAMES)
+    scalars(function, scale, None, SEED_NAMES)
     first = all_sources[0]
     b, t, _ = first.shape
     num_sources = len(all_sources)
     grad_out(function, "grad_h", grad_h, first)
-    meaning = f"L = {num_sources}"
     if alpha_cache is None:
         raise error(function, "alpha_cache", "a [B, T, L] tensor", "None")
     tensor(function, "alpha_cache", alpha_cache, (b, t, num_sources), None, first.device,
-           "blocks[0]", f"[B, T, L] with {meaning}")
+           "blocks[0]", f"[B, T, L] with L = {num_sources}")
     if enable_rmsnorm:
         if rmsnorm_gamma is None:
             raise error(function, "rmsnorm_gamma", "a [D] tensor when enable_rmsnorm=True",
@@ -230,7 +230,7 @@ def seed_backward(grad_h, blocks, proj_weight, alpha_cache, partial_block, rmsno
             raise error(function, "rms_cache", "a [B, T, L, 1] tensor when enable_rmsnorm=True",
                         "None")
         tensor(function, "rms_cache", rms_cache, (b, t, num_sources, 1), None, first.device,
-               "blocks[0]", f"[B, T, L, 1] with {meaning}")
+               "blocks[0]", f"[B, T, L, 1] with L = {num_sources}")
     if num_sources > SEED_MAX_SOURCES:
         raise error(function, "blocks + partial_block", f"at most {SEED_MAX_SOURCES} sources "
                     f"(the seed's limit L <= {SEED_MAX_SOURCES}; attnres.block_attn_res_fn has "

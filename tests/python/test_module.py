@@ -106,7 +106,8 @@ def test_parameters_cast_to_activation_dtype():
     assert h.dtype == torch.bfloat16
     h.float().sum().backward()
     assert m.w.grad.dtype == torch.float32 and m.gamma.grad.dtype == torch.float32
-    with pytest.raises(ValueError, match=r"partial must be a torch\.bfloat16 tensor .*, got torch\.float32"):
+    with pytest.raises(ValueError,
+                       match=r"partial must be a torch\.bfloat16 tensor .*, got torch\.float32"):
         m(blocks, torch.randn(2, 8))
 
 
