@@ -15,6 +15,16 @@ namespace {  // NOLINT(build/namespaces): see above
 struct Bf16 { uint16_t bits; };
 struct F16 { uint16_t bits; };
 
+// The compiler's IEEE binary16 type, for conversions only (arithmetic is in float):
+// _Float16 on x86-64 (F16C vcvtph2ps/vcvtps2ph where the ISA has it, libgcc's
+// conversions otherwise); __fp16 on aarch64, where g++ 12 has no _Float16 in C++
+// and __fp16 converts with fcvt, from float and from double with one rounding.
+#if defined(__aarch64__)
+using Half = __fp16;
+#else
+using Half = _Float16;
+#endif
+
 inline float ToFloat(Bf16 x) {
   const uint32_t u = uint32_t{x.bits} << 16;
   float f;
@@ -31,13 +41,13 @@ inline Bf16 ToBf16(float x) {
 }
 
 inline float ToFloat(F16 x) {
-  _Float16 h;
+  Half h;
   std::memcpy(&h, &x, sizeof(h));
   return static_cast<float>(h);
 }
 
 inline F16 ToF16(float x) {
-  const _Float16 h = static_cast<_Float16>(x);
+  const Half h = static_cast<Half>(x);
   F16 r;
   std::memcpy(&r, &h, sizeof(r));
   return r;

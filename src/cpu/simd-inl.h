@@ -41,7 +41,7 @@ typedef float VecF __attribute__((vector_size(kVectorBytes)));
 typedef double VecD __attribute__((vector_size(kVectorBytes)));
 typedef uint32_t VecU32 __attribute__((vector_size(kVectorBytes)));
 typedef uint16_t VecU16 __attribute__((vector_size(kVectorBytes / 2)));
-typedef _Float16 VecH __attribute__((vector_size(kVectorBytes / 2)));
+typedef Half VecH __attribute__((vector_size(kVectorBytes / 2)));  // scalar_types.h
 
 // Inlines a loop helper and its lambda into the row function: left out of line,
 // the chunk loop read every captured variable through the closure on each
@@ -156,8 +156,9 @@ template <> struct Elem<Bf16> {
   }
 };
 
-// float16 goes through the compiler's _Float16 (F16C vcvtph2ps/vcvtps2ph on avx2
-// and avx512, libgcc's conversions on the baseline).
+// float16 goes through the compiler's binary16 type (scalar_types.h: Half):
+// _Float16 on x86-64 (F16C vcvtph2ps/vcvtps2ph on avx2 and avx512, libgcc's
+// conversions on the baseline), __fp16 on aarch64 (fcvt per lane).
 template <> struct Elem<F16> {
   using A = float;
   using V = VecF;

@@ -9,6 +9,14 @@ namespace attnres::harness {
 namespace {
 
 // dtype <-> double for the test side (independent of the kernels' conversions).
+// binary16 is the compiler's: _Float16, or __fp16 on aarch64 (g++ 12 has no
+// _Float16 in C++ there); both convert from double with one rounding.
+#if defined(__aarch64__)
+using Float16 = __fp16;
+#else
+using Float16 = _Float16;
+#endif
+
 double ReadElement(const char* p, attnres_dtype dtype) {
   switch (dtype) {
     case ATTNRES_DTYPE_FLOAT64: { double v; std::memcpy(&v, p, 8); return v; }
@@ -19,7 +27,7 @@ double ReadElement(const char* p, attnres_dtype dtype) {
       float v; std::memcpy(&v, &u, 4);
       return v;
     }
-    case ATTNRES_DTYPE_FLOAT16: { _Float16 v; std::memcpy(&v, p, 2); return double(v); }
+    case ATTNRES_DTYPE_FLOAT16: { Float16 v; std::memcpy(&v, p, 2); return double(v); }
   }
   return 0;
 }
@@ -36,7 +44,7 @@ void WriteElement(char* p, attnres_dtype dtype, double value) {
       std::memcpy(p, &h, 2);
       return;
     }
-    case ATTNRES_DTYPE_FLOAT16: { const _Float16 v = _Float16(value); std::memcpy(p, &v, 2); return; }
+    case ATTNRES_DTYPE_FLOAT16: { const Float16 v = Float16(value); std::memcpy(p, &v, 2); return; }
   }
 }
 

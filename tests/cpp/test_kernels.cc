@@ -323,12 +323,18 @@ TEST(TestUtil, F16RoundsToNearestEven) {
   EXPECT_EQ(F16ToDouble(0x3C01), 1.0 + std::ldexp(1.0, -10));
   EXPECT_EQ(F16ToDouble(0x0400), std::ldexp(1.0, -14));
 #if defined(__FLT16_MAX__)
-  // Against the compiler's _Float16 conversion on a sweep of values.
+  // Against the compiler's binary16 conversion on a sweep of values: _Float16, or
+  // __fp16 on aarch64 (g++ 12 defines __FLT16_MAX__ there but has no _Float16 in C++).
+#if defined(__aarch64__)
+  using Half = __fp16;
+#else
+  using Half = _Float16;
+#endif
   std::mt19937_64 rng(3);
   std::uniform_real_distribution<double> exponent(-26, 17);
   for (int i = 0; i < 20000; ++i) {
     const double x = (i % 2 ? -1 : 1) * std::exp2(exponent(rng));
-    const _Float16 h = static_cast<_Float16>(x);
+    const Half h = static_cast<Half>(x);
     uint16_t bits;
     std::memcpy(&bits, &h, 2);
     ASSERT_EQ(DoubleToF16(x), bits) << x;
