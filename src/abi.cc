@@ -109,8 +109,12 @@ class Validator {
   std::vector<Span> spans_;
 };
 
-// Checks shared by forward and backward, then the spans of the inputs.
-void ValidateCommon(Validator& v, const attnres_params* p) {
+// Bounds that keep every size the backends derive (padded rows, scratch of a tile
+// times L, S x N stats) inside int64; no buffer that large can exist anyway.
+constexpr int64_t kMaxDim = int64_t{1} << 48, kMaxBlocks = int64_t{1} << 40;
+
+// Checks of every call: the struct, dtype, device, sizes and scalars.
+void ValidateHeader(Validator& v, const attnres_params* p) {
   v.NotNull(p, "params");
   if (!v.ok()) return;
   v.Check(p->abi_version == ATTNRES_ABI_VERSION, ATTNRES_ERROR_INVALID_ARGUMENT,
@@ -128,37 +132,49 @@ void ValidateCommon(Validator& v, const attnres_params* p) {
           "present");
   v.Check(p->num_tokens >= 0, ATTNRES_ERROR_INVALID_ARGUMENT, "num_tokens must be >= 0, got ",
           p->num_tokens);
-  // Bounds that keep every size the backends derive (padded rows, scratch of a
-  // tile times L) inside int64; no buffer that large can exist anyway.
-  constexpr int64_t kMaxDim = int64_t{1} << 48, kMaxBlocks = int64_t{1} << 40;
   v.Check(p->dim >= 1 && p->dim <= kMaxDim, ATTNRES_ERROR_INVALID_ARGUMENT,
           "dim must be in [1, 2^48], got ", p->dim);
   v.Check(p->num_blocks >= 0 && p->num_blocks <= kMaxBlocks, ATTNRES_ERROR_INVALID_ARGUMENT,
           "num_blocks must be in [0, 2^40], got ", p->num_blocks);
-  v.Check(NumSources(*p) >= 1, ATTNRES_ERROR_INVALID_ARGUMENT,
-          "at least one source is needed (num_blocks >= 1 or a partial block), got num_blocks = ",
-          p->num_blocks, " and no partial block");
   v.Check(p->rmsnorm == 0 || p->rmsnorm == 1, ATTNRES_ERROR_INVALID_ARGUMENT,
           "rmsnorm must be 0 or 1, got ", p->rmsnorm);
   v.Check(std::isfinite(p->scale), ATTNRES_ERROR_INVALID_ARGUMENT, "scale must be finite, got ",
           p->scale);
   v.Check(std::isfinite(p->eps) && p->eps >= 0, ATTNRES_ERROR_INVALID_ARGUMENT,
           "eps must be finite and >= 0, got ", p->eps);
+}
+
+// The blocks' stride and pointers.
+void CheckBlocks(Validator& v, const attnres_params* p) {
   v.RowStride(p->source_row_stride, p->dim, "source_row_stride");
   if (p->num_blocks > 0) v.NotNull(p->blocks, "blocks");
   for (int64_t i = 0; v.ok() && i < p->num_blocks; ++i) {
     v.NotNull(p->blocks[i], "blocks[" + std::to_string(i) + "]");
   }
+}
+
+void AddBlockSpans(Validator& v, const attnres_params* p) {
+  for (int64_t i = 0; v.ok() && i < p->num_blocks; ++i) {
+    v.AddRows(p->blocks[i], p->num_tokens, p->source_row_stride, p->dim, ElementBytes(p->dtype),
+              "blocks[" + std::to_string(i) + "]", false);
+  }
+}
+
+// Checks shared by the single op's forward and backward, then the spans of the inputs.
+void ValidateCommon(Validator& v, const attnres_params* p) {
+  ValidateHeader(v, p);
+  if (!v.ok()) return;
+  v.Check(NumSources(*p) >= 1, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "at least one source is needed (num_blocks >= 1 or a partial block), got num_blocks = ",
+          p->num_blocks, " and no partial block");
+  CheckBlocks(v, p);
   v.NotNull(p->proj_weight, "proj_weight");
   v.Check(p->rms_cache == nullptr || p->rmsnorm, ATTNRES_ERROR_INVALID_ARGUMENT,
           "rms_cache must be NULL when rmsnorm is 0 (there is no rms to cache)");
   if (!v.ok()) return;
+  AddBlockSpans(v, p);
 
   const int64_t elem = ElementBytes(p->dtype), rows = p->num_tokens, dim = p->dim;
-  for (int64_t i = 0; i < p->num_blocks; ++i) {
-    v.AddRows(p->blocks[i], rows, p->source_row_stride, dim, elem,
-              "blocks[" + std::to_string(i) + "]", false);
-  }
   v.AddRows(p->partial, rows, p->source_row_stride, dim, elem, "partial", false);
   v.AddRows(p->proj_weight, 1, dim, dim, elem, "proj_weight", false);
   v.AddRows(p->gamma, 1, dim, dim, elem, "gamma", false);
@@ -209,6 +225,155 @@ attnres_status ValidateBackward(const attnres_params* p) {
   v.AddRows(p->grad_partial, rows, p->grad_source_row_stride, dim, elem, "grad_partial", true);
   v.AddRows(p->grad_proj_weight, 1, dim, dim, elem, "grad_proj_weight", true);
   v.AddRows(p->grad_gamma, 1, dim, dim, elem, "grad_gamma", true);
+  v.NoOverlap();
+  return v.Finish();
+}
+
+// ---- The two-phase ops ----
+
+// A [num_tokens] column of the accumulation type (LSEs and their gradients).
+void AddColumn(Validator& v, const attnres_params* p, const void* column, const std::string& name,
+               bool is_output) {
+  v.AddRows(column, p->num_tokens, 1, 1, AccumBytes(p->dtype), name, is_output);
+}
+
+std::string Indexed(const char* name, int64_t i) { return std::string(name) + "[" + std::to_string(i) + "]"; }
+
+// Phase 1: N >= 1 blocks, no partial block, S queries.
+void ValidatePhase1Inputs(Validator& v, const attnres_params* p) {
+  ValidateHeader(v, p);
+  if (!v.ok()) return;
+  v.Check(p->num_blocks >= 1, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "num_blocks must be >= 1 (phase 1 mixes the completed blocks), got ", p->num_blocks);
+  v.Check(p->partial == nullptr, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "partial must be NULL in phase 1 (phase 2 merges the partial block)");
+  v.Check(p->num_queries >= 1 && p->num_queries <= kMaxBlocks, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "num_queries must be in [1, 2^40], got ", p->num_queries);
+  CheckBlocks(v, p);
+  v.NotNull(p->proj_weight, "proj_weight");
+  if (!v.ok()) return;
+  AddBlockSpans(v, p);
+  const int64_t elem = ElementBytes(p->dtype);
+  v.AddRows(p->proj_weight, p->num_queries, p->dim, p->dim, elem, "proj_weight", false);
+  v.AddRows(p->gamma, p->num_queries, p->dim, p->dim, elem, "gamma", false);
+}
+
+attnres_status ValidatePhase1Forward(const attnres_params* p) {
+  Validator v("attnres_phase1_forward");
+  ValidatePhase1Inputs(v, p);
+  if (!v.ok()) return v.Finish();
+  v.NotNull(p->query_outs, "query_outs");
+  v.NotNull(p->query_lses, "query_lses");
+  v.RowStride(p->out_row_stride, p->dim, "out_row_stride");
+  for (int64_t s = 0; v.ok() && s < p->num_queries; ++s) {
+    v.NotNull(p->query_outs[s], Indexed("query_outs", s));
+    v.NotNull(p->query_lses[s], Indexed("query_lses", s));
+  }
+  for (int64_t s = 0; v.ok() && s < p->num_queries; ++s) {
+    v.AddRows(p->query_outs[s], p->num_tokens, p->out_row_stride, p->dim, ElementBytes(p->dtype),
+              Indexed("query_outs", s), true);
+    AddColumn(v, p, p->query_lses[s], Indexed("query_lses", s), true);
+  }
+  v.NoOverlap();
+  return v.Finish();
+}
+
+attnres_status ValidatePhase1Backward(const attnres_params* p) {
+  Validator v("attnres_phase1_backward");
+  ValidatePhase1Inputs(v, p);
+  if (!v.ok()) return v.Finish();
+  const int64_t elem = ElementBytes(p->dtype), rows = p->num_tokens, dim = p->dim;
+  v.NotNull(p->grad_query_outs, "grad_query_outs");
+  v.Check(p->accumulate_grads == 0 || p->accumulate_grads == 1, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "accumulate_grads must be 0 or 1, got ", p->accumulate_grads);
+  v.Check(p->grad_gamma == nullptr || p->rmsnorm, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "grad_gamma must be NULL when rmsnorm is 0 (gamma is not used)");
+  if (!v.ok()) return v.Finish();
+  bool any_grad_out = false, any_source_grad = false;
+  for (int64_t s = 0; s < p->num_queries; ++s) any_grad_out |= p->grad_query_outs[s] != nullptr;
+  for (int64_t i = 0; p->grad_blocks != nullptr && i < p->num_blocks; ++i) {
+    any_source_grad |= p->grad_blocks[i] != nullptr;
+  }
+  if (any_grad_out) v.RowStride(p->grad_out_row_stride, dim, "grad_out_row_stride");
+  if (any_source_grad) v.RowStride(p->grad_source_row_stride, dim, "grad_source_row_stride");
+  for (int64_t s = 0; s < p->num_queries; ++s) {
+    v.AddRows(p->grad_query_outs[s], rows, p->grad_out_row_stride, dim, elem,
+              Indexed("grad_query_outs", s), false);
+    if (p->grad_query_lses != nullptr) {
+      AddColumn(v, p, p->grad_query_lses[s], Indexed("grad_query_lses", s), false);
+    }
+  }
+  for (int64_t i = 0; p->grad_blocks != nullptr && i < p->num_blocks; ++i) {
+    v.AddRows(p->grad_blocks[i], rows, p->grad_source_row_stride, dim, elem,
+              Indexed("grad_blocks", i), true);
+  }
+  v.AddRows(p->grad_proj_weight, p->num_queries, dim, dim, elem, "grad_proj_weight", true);
+  v.AddRows(p->grad_gamma, p->num_queries, dim, dim, elem, "grad_gamma", true);
+  v.NoOverlap();
+  return v.Finish();
+}
+
+// Phase 2: one query's o and lse, an optional partial block, the optional norm.
+void ValidatePhase2Inputs(Validator& v, const attnres_params* p) {
+  ValidateHeader(v, p);
+  if (!v.ok()) return;
+  v.Check(p->num_blocks == 0, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "num_blocks must be 0 in phase 2 (it reads phase 1's query_out, not the blocks), got ",
+          p->num_blocks);
+  v.Check(p->input_norm == 0 || p->input_norm == 1, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "input_norm must be 0 or 1, got ", p->input_norm);
+  v.Check(std::isfinite(p->norm_eps) && p->norm_eps >= 0, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "norm_eps must be finite and >= 0, got ", p->norm_eps);
+  v.Check(p->norm_weight == nullptr || p->input_norm, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "norm_weight must be NULL when input_norm is 0");
+  v.RowStride(p->source_row_stride, p->dim, "source_row_stride");
+  v.NotNull(p->query_out, "query_out");
+  if (p->partial != nullptr) v.NotNull(p->query_lse, "query_lse");
+  v.NotNull(p->proj_weight, "proj_weight");
+  if (!v.ok()) return;
+  const int64_t elem = ElementBytes(p->dtype), rows = p->num_tokens, dim = p->dim;
+  v.AddRows(p->query_out, rows, p->source_row_stride, dim, elem, "query_out", false);
+  v.AddRows(p->partial, rows, p->source_row_stride, dim, elem, "partial", false);
+  AddColumn(v, p, p->query_lse, "query_lse", false);
+  v.AddRows(p->proj_weight, 1, dim, dim, elem, "proj_weight", false);
+  v.AddRows(p->gamma, 1, dim, dim, elem, "gamma", false);
+  v.AddRows(p->norm_weight, 1, dim, dim, elem, "norm_weight", false);
+}
+
+attnres_status ValidatePhase2Forward(const attnres_params* p) {
+  Validator v("attnres_phase2_forward");
+  ValidatePhase2Inputs(v, p);
+  if (!v.ok()) return v.Finish();
+  v.NotNull(p->out, "out");
+  v.RowStride(p->out_row_stride, p->dim, "out_row_stride");
+  v.AddRows(p->out, p->num_tokens, p->out_row_stride, p->dim, ElementBytes(p->dtype), "out", true);
+  v.NoOverlap();
+  return v.Finish();
+}
+
+attnres_status ValidatePhase2Backward(const attnres_params* p) {
+  Validator v("attnres_phase2_backward");
+  ValidatePhase2Inputs(v, p);
+  if (!v.ok()) return v.Finish();
+  const int64_t elem = ElementBytes(p->dtype), rows = p->num_tokens, dim = p->dim;
+  v.NotNull(p->grad_out, "grad_out");
+  v.RowStride(p->grad_out_row_stride, dim, "grad_out_row_stride");
+  v.Check(p->grad_partial == nullptr || p->partial != nullptr, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "grad_partial must be NULL when there is no partial block");
+  v.Check(p->grad_gamma == nullptr || p->rmsnorm, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "grad_gamma must be NULL when rmsnorm is 0 (gamma is not used)");
+  v.Check(p->grad_norm_weight == nullptr || p->input_norm, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "grad_norm_weight must be NULL when input_norm is 0");
+  if (p->grad_partial != nullptr || p->grad_query_out != nullptr) {
+    v.RowStride(p->grad_source_row_stride, dim, "grad_source_row_stride");
+  }
+  v.AddRows(p->grad_out, rows, p->grad_out_row_stride, dim, elem, "grad_out", false);
+  v.AddRows(p->grad_query_out, rows, p->grad_source_row_stride, dim, elem, "grad_query_out", true);
+  v.AddRows(p->grad_partial, rows, p->grad_source_row_stride, dim, elem, "grad_partial", true);
+  AddColumn(v, p, p->grad_query_lse, "grad_query_lse", true);
+  v.AddRows(p->grad_proj_weight, 1, dim, dim, elem, "grad_proj_weight", true);
+  v.AddRows(p->grad_gamma, 1, dim, dim, elem, "grad_gamma", true);
+  v.AddRows(p->grad_norm_weight, 1, dim, dim, elem, "grad_norm_weight", true);
   v.NoOverlap();
   return v.Finish();
 }
@@ -316,6 +481,34 @@ attnres_status attnres_backward(const attnres_params* params) {
     return params->device == ATTNRES_DEVICE_CUDA ? attnres::CudaBackward(*params)
                                                  : attnres::CpuBackward(*params);
   });
+}
+
+namespace {
+// Validates, then runs the CPU kernels of one phase (the CUDA backend has no
+// two-phase kernels yet: a named error, nothing written).
+attnres_status RunTwoPhase(const char* function, attnres_status (*validate)(const attnres_params*),
+                           const attnres_params* params, int phase, bool backward) {
+  if (attnres_status s = validate(params); s != ATTNRES_OK) return s;
+  if (params->device == ATTNRES_DEVICE_CUDA) {
+    return attnres::Fail(ATTNRES_ERROR_UNSUPPORTED_DEVICE,
+                         std::string(function) + ": the two-phase ops run on the CPU only in this "
+                                                 "version (device must be CPU (0))");
+  }
+  return attnres::Guarded(function, [&] { return attnres::CpuTwoPhase(*params, phase, backward); });
+}
+}  // namespace
+
+attnres_status attnres_phase1_forward(const attnres_params* params) {
+  return RunTwoPhase("attnres_phase1_forward", attnres::ValidatePhase1Forward, params, 1, false);
+}
+attnres_status attnres_phase1_backward(const attnres_params* params) {
+  return RunTwoPhase("attnres_phase1_backward", attnres::ValidatePhase1Backward, params, 1, true);
+}
+attnres_status attnres_phase2_forward(const attnres_params* params) {
+  return RunTwoPhase("attnres_phase2_forward", attnres::ValidatePhase2Forward, params, 2, false);
+}
+attnres_status attnres_phase2_backward(const attnres_params* params) {
+  return RunTwoPhase("attnres_phase2_backward", attnres::ValidatePhase2Backward, params, 2, true);
 }
 
 const char* attnres_last_error(void) { return attnres::g_last_error.c_str(); }

@@ -29,6 +29,8 @@ attnres_status Fail(attnres_status status, const std::string& message);
 // required, no output overlaps an input. num_tokens may be 0.
 attnres_status CpuForward(const attnres_params& p);
 attnres_status CpuBackward(const attnres_params& p);
+// The two-phase ops: phase 1 or 2, forward or backward.
+attnres_status CpuTwoPhase(const attnres_params& p, int phase, bool backward);
 const char* CpuIsaName();
 
 namespace cpu {

@@ -164,6 +164,23 @@ double AsAcc(double value, int32_t dtype) {
   return dtype == ATTNRES_DTYPE_FLOAT64 ? value : static_cast<double>(float(value));
 }
 
+// Where element d of a row sits in the kernels' rows of A (w * gamma, U): the
+// bf16 kernels keep each pair of vectors in unpack order (simd-inl.h, Elem<Bf16>):
+// words 0-3 of every 16-byte lane of the pair's 2 * lanes values in the first
+// vector, words 4-7 in the second. With 16-byte vectors that is the identity.
+int64_t KernelRowIndex(const KernelTable& table, int32_t dtype, int64_t d) {
+  const int64_t lanes = table.vector_bytes / 4;
+  if (dtype != ATTNRES_DTYPE_BFLOAT16 || lanes <= 4) return d;
+  const int64_t e = d % (2 * lanes), word = e % 8;
+  return d - e + (word / 4) * lanes + (e / 8) * 4 + word % 4;
+}
+
+// Rows of A padded to two of the widest vectors (the kernels load pairs).
+int64_t PaddedDim(int64_t dim, int32_t dtype) {
+  const int64_t lanes = 2 * kMaxVectorBytes / AccumBytes(dtype);
+  return (dim + lanes - 1) / lanes * lanes;
+}
+
 struct AlignedFree {
   void operator()(void* p) const { std::free(p); }
 };
@@ -203,11 +220,10 @@ class Call {
     backward_ = backward;
     const int32_t dtype = p_.dtype;
     acc_bytes_ = AccumBytes(dtype);
-    const int64_t lanes = 2 * kMaxVectorBytes / acc_bytes_;
     info_.params = &p_;
     table_ = &Table();
     info_.num_sources = NumSources(p_);
-    info_.padded_dim = (p_.dim + lanes - 1) / lanes * lanes;
+    info_.padded_dim = PaddedDim(p_.dim, dtype);
     // (Divided in two steps: num_sources * dim * bytes can exceed int64.)
     const int64_t tile_bytes = backward ? kBackwardTileSourceBytes : kForwardTileSourceBytes;
     const int64_t tile_rows_per_source = tile_bytes / (p_.dim * ElementBytes(dtype));
@@ -283,16 +299,7 @@ class Call {
   const KernelTable& table() const { return *table_; }
 
  private:
-  // Where element d of a row sits in the kernels' rows of A (w * gamma, U): the
-  // bf16 kernels keep each pair of vectors in unpack order (simd-inl.h, Elem<Bf16>):
-  // words 0-3 of every 16-byte lane of the pair's 2 * lanes values in the first
-  // vector, words 4-7 in the second. With 16-byte vectors that is the identity.
-  int64_t KernelRowIndex(int64_t d) const {
-    const int64_t lanes = table_->vector_bytes / 4;
-    if (p_.dtype != ATTNRES_DTYPE_BFLOAT16 || lanes <= 4) return d;
-    const int64_t e = d % (2 * lanes), word = e % 8;
-    return d - e + (word / 4) * lanes + (e / 8) * 4 + word % 4;
-  }
+  int64_t KernelRowIndex(int64_t d) const { return cpu::KernelRowIndex(*table_, p_.dtype, d); }
 
   void StoreAcc(void* base, int64_t d, double value) const {
     if (acc_bytes_ == 8) {
@@ -402,6 +409,104 @@ attnres_status CpuBackward(const attnres_params& p) {
       }
     });
   }
+  return ATTNRES_OK;
+}
+
+// ---- The two-phase ops ----------------------------------------------------------
+//
+// The same scheme as the single op: tokens split into chunks whose size depends on
+// the problem only, per-chunk rows of weight-gradient partial sums added in chunk
+// order afterwards, so every output is bitwise identical for any thread count.
+attnres_status CpuTwoPhase(const attnres_params& p, int phase, bool backward) {
+  using namespace cpu;
+  const KernelTable& table = Table();
+  const PhaseKernels& kernels = *table.two_phase;
+  const PhaseRangeFn run =
+      (phase == 1 ? (backward ? kernels.phase1_backward : kernels.phase1_forward)
+                  : (backward ? kernels.phase2_backward : kernels.phase2_forward))[p.dtype];
+  const int32_t dtype = p.dtype;
+  const int64_t S = phase == 1 ? p.num_queries : 1, N = phase == 1 ? p.num_blocks : 0;
+  const int64_t dim = p.dim, padded = PaddedDim(dim, dtype), acc = AccumBytes(dtype);
+  const bool norm = phase == 2 && p.input_norm;
+  const bool has_gamma = p.rmsnorm && p.gamma != nullptr;
+  const bool weight_grads =
+      backward && (p.grad_proj_weight != nullptr || p.grad_gamma != nullptr ||
+                   (phase == 2 && p.grad_norm_weight != nullptr));
+  // Chunks of a few tokens even for small calls, so that both threads work on a
+  // decode-sized backward; at most 256 (the partial rows stay few and small).
+  const int64_t chunk_tokens = std::clamp<int64_t>((p.num_tokens + 31) / 32, 4, 256);
+  const int64_t num_chunks = (p.num_tokens + chunk_tokens - 1) / chunk_tokens;
+  const int threads = ThreadsFor(num_chunks);
+  const auto round64 = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+  const int64_t rows_bytes = round64((S + (norm ? 1 : 0)) * padded * acc);
+  const int64_t scratch_bytes = round64(PhaseScratchBytes(S, N, padded, acc));
+  const int64_t partial_rows = weight_grads ? PhasePartialRows(phase, S) : 0;
+  const int64_t partial_bytes = partial_rows * padded * acc;
+  const int64_t bytes = rows_bytes + threads * scratch_bytes + num_chunks * partial_bytes;
+  char* base = static_cast<char*>(ThreadArena(bytes));
+  if (base == nullptr) {
+    return Fail(ATTNRES_ERROR_OUT_OF_MEMORY,
+                "attnres: could not allocate " + std::to_string(bytes) + " bytes of scratch");
+  }
+  const auto store = [&](char* row, int64_t d, double value) {
+    const int64_t k = KernelRowIndex(table, dtype, d);
+    if (acc == 8) {
+      reinterpret_cast<double*>(row)[k] = value;
+    } else {
+      reinterpret_cast<float*>(row)[k] = static_cast<float>(value);
+    }
+  };
+  for (int64_t s = 0; s < S; ++s) {  // u_s = w_s * gamma_s, zeros beyond dim
+    for (int64_t d = 0; d < padded; ++d) {
+      double value = 0;
+      if (d < dim) {
+        value = AsAcc(LoadScalar(p.proj_weight, s * dim + d, dtype), dtype);
+        if (has_gamma) value *= AsAcc(LoadScalar(p.gamma, s * dim + d, dtype), dtype);
+      }
+      store(base + s * padded * acc, d, value);
+    }
+  }
+  if (norm) {
+    for (int64_t d = 0; d < padded; ++d) {
+      const double value =
+          d >= dim ? 0 : p.norm_weight == nullptr ? 1 : AsAcc(LoadScalar(p.norm_weight, d, dtype), dtype);
+      store(base + S * padded * acc, d, value);
+    }
+  }
+  char* scratch = base + rows_bytes;
+  char* partials = scratch + threads * scratch_bytes;
+  std::memset(partials, 0, num_chunks * partial_bytes);
+  const PhaseInfo info{&p, padded, base, norm ? base + S * padded * acc : nullptr};
+  ParallelFor(threads, num_chunks, [&](int thread, int64_t c) {
+    run(info, scratch + thread * scratch_bytes, weight_grads ? partials + c * partial_bytes : nullptr,
+        c * chunk_tokens, std::min((c + 1) * chunk_tokens, p.num_tokens));
+  });
+  if (!weight_grads) return ATTNRES_OK;
+
+  // Row r of the partials summed in chunk order, in the accumulation type.
+  const auto total = [&](int64_t r, int64_t d) {
+    const int64_t offset = r * padded + KernelRowIndex(table, dtype, d);
+    if (acc == 8) {
+      double u = 0;
+      for (int64_t c = 0; c < num_chunks; ++c) u += reinterpret_cast<const double*>(partials + c * partial_bytes)[offset];
+      return u;
+    }
+    float u = 0;
+    for (int64_t c = 0; c < num_chunks; ++c) u += reinterpret_cast<const float*>(partials + c * partial_bytes)[offset];
+    return double(u);
+  };
+  ParallelFor(ThreadsFor(S * dim / 256 + 1), S * dim, [&](int, int64_t k) {
+    const int64_t s = k / dim, d = k % dim;
+    const double u = total(s, d);  // dL/du_s[d]: dw = gamma * u, dgamma = w * u
+    if (p.grad_proj_weight != nullptr) {
+      const double gamma = has_gamma ? LoadScalar(p.gamma, k, dtype) : 1.0;
+      StoreScalar(p.grad_proj_weight, k, dtype, AsAcc(gamma * u, dtype));
+    }
+    if (p.grad_gamma != nullptr) {
+      StoreScalar(p.grad_gamma, k, dtype, AsAcc(LoadScalar(p.proj_weight, k, dtype) * u, dtype));
+    }
+    if (phase == 2 && p.grad_norm_weight != nullptr) StoreScalar(p.grad_norm_weight, d, dtype, total(1, d));
+  });
   return ATTNRES_OK;
 }
 

@@ -423,6 +423,7 @@ const KernelTable kTable = {
     kVectorBytes,
     {ForwardTile<float>, ForwardTile<double>, ForwardTile<Bf16>, ForwardTile<F16>},
     {BackwardRange<float>, BackwardRange<double>, BackwardRange<Bf16>, BackwardRange<F16>},
+    &ATTNRES_ISA::kTwoPhaseKernels,
 };
 
 }  // namespace

@@ -1,9 +1,10 @@
 // The contract between the CPU dispatcher (backend.cc, compiled for the baseline
 // ISA) and the kernel variants (kernels.cc, compiled once per ISA).
 //
-// Only plain structs and declarations live here: a function defined in a header
-// shared by translation units built with different -march flags could be merged
-// by the linker into the baseline path and run AVX-512 code on a CPU without it.
+// Only plain structs, declarations and integer size formulas live here: a function
+// with floating-point or vector work defined in a header shared by translation
+// units built with different -march flags could be merged by the linker into the
+// baseline path and run AVX-512 code on a CPU without it.
 #ifndef ATTNRES_SRC_CPU_KERNEL_TABLE_H_
 #define ATTNRES_SRC_CPU_KERNEL_TABLE_H_
 
@@ -43,12 +44,59 @@ struct Scratch {
 using RangeFn = void (*)(const CallInfo& info, const Scratch& scratch, int64_t begin,
                          int64_t end);
 
+// The two-phase ops (two_phase.cc). Per-call constants, prepared by the dispatcher;
+// rows of A are padded with zeros to padded_dim and in the kernels' row order.
+struct PhaseInfo {
+  const attnres_params* params;
+  int64_t padded_dim;
+  const void* wg;           // A[num_queries][padded_dim]: u_s = w_s * gamma_s (w_s when
+                            // rmsnorm is off or gamma is NULL); phase 2: one row
+  const void* norm_weight;  // phase 2 with input_norm: A[padded_dim], ones for NULL
+};
+
+// Bytes of scratch of one thread for the two-phase kernels: pointer tables
+// (4S + N), then in A: the S grad_out rows widened (phase 1 backward), the stats
+// z, a, dz [S, N], r, b [N] and 2S dot products.
+inline int64_t PhaseScratchBytes(int64_t num_queries, int64_t num_blocks, int64_t padded_dim,
+                                 int64_t accum_bytes) {
+  const int64_t S = num_queries, N = num_blocks;
+  const int64_t pointers = (4 * S + N) * static_cast<int64_t>(sizeof(void*));
+  return (pointers + 63) / 64 * 64 + (S * padded_dim + 3 * S * N + 2 * N + 2 * S) * accum_bytes;
+}
+// Rows of weight-gradient partial sums per chunk of the backward: phase 1 U_s
+// ([S, padded_dim]); phase 2 U and the norm weight's ([2, padded_dim]).
+inline int64_t PhasePartialRows(int phase, int64_t num_queries) {
+  return phase == 1 ? num_queries : 2;
+}
+
+// Tokens [begin, end): forward writes the outputs; backward writes the requested
+// source gradients and adds this range's weight-gradient sums into `partials`
+// (PhasePartialRows rows, zeroed by the caller; null when no weight gradient is
+// requested).
+using PhaseRangeFn = void (*)(const PhaseInfo& info, void* scratch, void* partials, int64_t begin,
+                              int64_t end);
+
+struct PhaseKernels {
+  PhaseRangeFn phase1_forward[ATTNRES_DTYPE_COUNT];  // indexed by attnres_dtype
+  PhaseRangeFn phase1_backward[ATTNRES_DTYPE_COUNT];
+  PhaseRangeFn phase2_forward[ATTNRES_DTYPE_COUNT];
+  PhaseRangeFn phase2_backward[ATTNRES_DTYPE_COUNT];
+};
+
 struct KernelTable {
   const char* name;
   int vector_bytes;
-  RangeFn forward[4];   // indexed by attnres_dtype
-  RangeFn backward[4];
+  RangeFn forward[ATTNRES_DTYPE_COUNT];  // the single op (block_attn_res.cc), by attnres_dtype
+  RangeFn backward[ATTNRES_DTYPE_COUNT];
+  const PhaseKernels* two_phase;         // two_phase.cc
 };
+
+#ifdef ATTNRES_ISA
+// Each op's kernels of one variant, in a namespace named after the variant.
+namespace ATTNRES_ISA {
+extern const PhaseKernels kTwoPhaseKernels;
+}  // namespace ATTNRES_ISA
+#endif
 
 // One per compiled variant; null when the variant is not compiled in.
 const KernelTable* BaselineKernels();

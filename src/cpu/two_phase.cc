@@ -1,0 +1,471 @@
+// The two-phase schedule's CPU kernels (docs/DESIGN.md, "The two phases"):
+// phase 1 mixes the N completed blocks for the S queries of a block of sub-layers
+// in one read of the blocks; phase 2 merges one query's result with the partial
+// block, optionally followed by the sub-layer's input RMSNorm.
+//
+// Per token, with u_s = w_s * gamma_s (the rows `wg`) and r_i the RMS of block i:
+//   phase 1  z_{s,i} = scale * dot(u_s, v_i) / r_i,   lse_s = logsumexp_i z_{s,i}
+//            a_{s,i} = exp(z_{s,i} - lse_s),           o_s = sum_i a_{s,i} v_i
+//     pass 1 reads each block row once from memory (S + 1 dot products per
+//            element, queries in groups of kGroup so that x is widened once per
+//            group); pass 2 rereads the token's rows from cache for the S outputs.
+//     backward (g_s = dL/do_s, e_s = dL/dlse_s): pass 1 also forms dot(g_s, v_i);
+//            dz_{s,i} = a_{s,i} (dot(g_s, v_i) - dot(g_s, o_s) + e_s)  (pivot form)
+//            dv_i = sum_s (a_{s,i} g_s + c_{s,i} u_s) + b_i v_i,   c_{s,i} = dz_{s,i} scale / r_i
+//            U_s += sum_i c_{s,i} v_i  (dw_s = gamma_s U_s, dgamma_s = w_s U_s)
+//            dot(g_s, o_s) = sum_i a_{s,i} dot(g_s, v_i): o_s and lse_s are not read.
+//   phase 2  z_p = scale * dot(u, p) / r_p,  beta = sigmoid(lse - z_p)
+//            h = beta o + (1 - beta) p,  out = h or h / rms(h) * norm_weight
+//     A few passes over the token's o, p (and g) rows, which stay in L1.
+//
+// Compiled once per ISA, like block_attn_res.cc; kernels in an unnamed namespace.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "core/token_math.h"
+#include "cpu/kernel_table.h"
+#include "cpu/simd-inl.h"
+
+namespace attnres::cpu {
+namespace {
+
+// Queries whose accumulators share one read of a row: 4 queries x 2 vectors of
+// sums, the row's 2 vectors and the loads fit in the 16 registers of AVX2.
+constexpr int kGroup = 4;
+
+template <typename T>
+struct PhaseRow : Row<T> {
+  using R = Row<T>;
+  using typename R::A;
+  using typename R::V;
+  using R::kLanes;
+  using R::kPair;
+  using R::LoadA;
+  using R::Splat;
+  using R::StoreA;
+  using R::Sum;
+
+  // dots[q] = dot(rows[q], x) for the Q rows of A, and (kSumSq) *sum_sq = sum(x^2).
+  template <int Q, bool kSumSq>
+  [[gnu::noinline]] static void GroupDots(const T* x, const A* const* rows, int64_t dim, A* sum_sq,
+                                          A* dots) {
+    V acc[Q][2] = {}, sq[2] = {};
+    for (int64_t d = 0; d < dim; d += kPair) {
+      V lo, hi;
+      R::Load2(x + d, dim - d, lo, hi);
+      if (kSumSq) {
+        sq[0] += lo * lo;
+        sq[1] += hi * hi;
+      }
+      for (int q = 0; q < Q; ++q) {
+        acc[q][0] += lo * LoadA(rows[q] + d);
+        acc[q][1] += hi * LoadA(rows[q] + d + kLanes);
+      }
+    }
+    for (int q = 0; q < Q; ++q) dots[q] = Sum(acc[q][0] + acc[q][1]);
+    if (kSumSq) *sum_sq = Sum(sq[0] + sq[1]);
+  }
+
+  // dots[k] = dot(rows[k], x) for k < count, and sum(x^2): one read of x per group.
+  static void Dots(const T* x, const A* const* rows, int64_t count, int64_t dim, A* sum_sq, A* dots) {
+    for (int64_t k = 0; k < count; k += kGroup) {
+      const A* const* group = rows + k;
+      A* out = dots + k;
+      const bool first = k == 0;
+      switch (std::min<int64_t>(kGroup, count - k)) {
+        case 1: first ? GroupDots<1, true>(x, group, dim, sum_sq, out) : GroupDots<1, false>(x, group, dim, nullptr, out); break;
+        case 2: first ? GroupDots<2, true>(x, group, dim, sum_sq, out) : GroupDots<2, false>(x, group, dim, nullptr, out); break;
+        case 3: first ? GroupDots<3, true>(x, group, dim, sum_sq, out) : GroupDots<3, false>(x, group, dim, nullptr, out); break;
+        default: first ? GroupDots<4, true>(x, group, dim, sum_sq, out) : GroupDots<4, false>(x, group, dim, nullptr, out); break;
+      }
+    }
+  }
+
+  // For the Q queries of a group: sum_i weights[q][i] v_i over the n rows `src`,
+  // stored to the rows out[q] of T (kToA false) or added to the rows of A (kToA).
+  template <int Q, bool kToA>
+  [[gnu::noinline]] static void GroupMix(const T* const* src, int64_t n, const A* const* weights,
+                                         void* const* out, int64_t dim) {
+    for (int64_t d = 0; d < dim; d += kPair) {
+      V acc[Q][2] = {};
+      for (int64_t i = 0; i < n; ++i) {
+        V lo, hi;
+        R::Load2(src[i] + d, dim - d, lo, hi);
+        for (int q = 0; q < Q; ++q) {
+          const V w = Splat(weights[q][i]);
+          acc[q][0] += w * lo;
+          acc[q][1] += w * hi;
+        }
+      }
+      for (int q = 0; q < Q; ++q) {
+        if (kToA) {
+          A* u = static_cast<A*>(out[q]) + d;
+          StoreA(u, LoadA(u) + acc[q][0]);
+          StoreA(u + kLanes, LoadA(u + kLanes) + acc[q][1]);
+        } else {
+          R::Store2(static_cast<T*>(out[q]) + d, acc[q][0], acc[q][1], dim - d);
+        }
+      }
+    }
+  }
+
+  template <bool kToA>
+  static void Mix(const T* const* src, int64_t n, const A* const* weights, void* const* out,
+                  int64_t count, int64_t dim) {
+    for (int64_t k = 0; k < count; k += kGroup) {
+      switch (std::min<int64_t>(kGroup, count - k)) {
+        case 1: GroupMix<1, kToA>(src, n, weights + k, out + k, dim); break;
+        case 2: GroupMix<2, kToA>(src, n, weights + k, out + k, dim); break;
+        case 3: GroupMix<3, kToA>(src, n, weights + k, out + k, dim); break;
+        default: GroupMix<4, kToA>(src, n, weights + k, out + k, dim); break;
+      }
+    }
+  }
+
+  // dv = b v + sum_s (alpha[s] g_s + c[s] u_s) (+ dv when kAccumulate), one row.
+  template <bool kAccumulate>
+  [[gnu::noinline]] static void SourceGrad(T* dv, const T* v, A b, const A* const* g,
+                                           const A* const* u, const A* alpha, const A* c,
+                                           int64_t count, int64_t stride, int64_t dim) {
+    const V vb = Splat(b);
+    for (int64_t d = 0; d < dim; d += kPair) {
+      V lo, hi;
+      R::Load2(v + d, dim - d, lo, hi);
+      V acc0 = vb * lo, acc1 = vb * hi;
+      for (int64_t s = 0; s < count; ++s) {
+        const V va = Splat(alpha[s * stride]), vc = Splat(c[s * stride]);
+        acc0 += va * LoadA(g[s] + d) + vc * LoadA(u[s] + d);
+        acc1 += va * LoadA(g[s] + d + kLanes) + vc * LoadA(u[s] + d + kLanes);
+      }
+      if (kAccumulate) {
+        V old_lo, old_hi;
+        R::Load2(dv + d, dim - d, old_lo, old_hi);
+        acc0 += old_lo;
+        acc1 += old_hi;
+      }
+      R::Store2(dv + d, acc0, acc1, dim - d);
+    }
+  }
+};
+
+template <typename T>
+const T* RowOf(const void* base, int64_t t, int64_t stride) {
+  return static_cast<const T*>(base) + t * stride;
+}
+
+// One thread's scratch (kernel_table.h: PhaseScratchBytes), carved in order.
+template <typename T>
+struct PhaseScratch {
+  using A = typename Row<T>::A;
+  const A** rows;     // [2S]: the u_s rows, then the g_s rows (backward)
+  const A** weights;  // [S]: per query, its N weights a_{s,i} (or c_{s,i})
+  void** outs;        // [S]: output rows of T, or U_s rows of A
+  const T** src;      // [N]: this token's block rows
+  A* g;               // [S, padded_dim]: the grad_out rows, widened
+  A *z, *a, *dz;      // [S, N], query-major
+  A *r, *b;           // [N]
+  A* dots;            // [2S]
+
+  PhaseScratch(void* base, int64_t S, int64_t N, int64_t padded) {
+    char* bytes = static_cast<char*>(base);
+    const int64_t pointer = sizeof(void*);
+    rows = reinterpret_cast<const A**>(bytes);
+    weights = reinterpret_cast<const A**>(bytes + 2 * S * pointer);
+    outs = reinterpret_cast<void**>(bytes + 3 * S * pointer);
+    src = reinterpret_cast<const T**>(bytes + 4 * S * pointer);
+    const int64_t pointer_bytes = (4 * S + N) * pointer;
+    g = reinterpret_cast<A*>(bytes + (pointer_bytes + 63) / 64 * 64);
+    z = g + S * padded;
+    a = z + S * N;
+    dz = a + S * N;
+    r = dz + S * N;
+    b = r + N;
+    dots = b + N;
+  }
+};
+
+// ---- Phase 1 ----------------------------------------------------------------
+
+// Pass 1 of token t: r_i and z_{s,i} for every block i, with the backward's
+// dot(g_s, v_i) into dz when rows holds the g rows after the u rows (num_rows = 2S).
+template <typename T>
+void Phase1Logits(const PhaseInfo& info, int64_t t, int64_t num_rows, PhaseScratch<T>& ws) {
+  using A = typename Row<T>::A;
+  const attnres_params& p = *info.params;
+  const int64_t S = p.num_queries, N = p.num_blocks;
+  const A scale = static_cast<A>(p.scale), eps = static_cast<A>(p.eps);
+  for (int64_t i = 0; i < N; ++i) {
+    ws.src[i] = RowOf<T>(p.blocks[i], t, p.source_row_stride);
+    A sum_sq = 0;
+    PhaseRow<T>::Dots(ws.src[i], ws.rows, num_rows, p.dim, &sum_sq, ws.dots);
+    const A r = p.rmsnorm ? math::Rms(sum_sq, p.dim, eps) : A(1);
+    ws.r[i] = r;
+    for (int64_t s = 0; s < S; ++s) ws.z[s * N + i] = scale * (ws.dots[s] / r);
+    for (int64_t s = S; s < num_rows; ++s) ws.dz[(s - S) * N + i] = ws.dots[s];
+  }
+}
+
+// lse_s of one token, and a_{s,i} = exp(z_{s,i} - lse_s) into ws.a.
+template <typename T>
+typename Row<T>::A Phase1Weights(PhaseScratch<T>& ws, int64_t s, int64_t N) {
+  using A = typename Row<T>::A;
+  const A lse = math::LogSumExp(ws.z + s * N, N);
+  for (int64_t i = 0; i < N; ++i) ws.a[s * N + i] = math::Exp(ws.z[s * N + i] - lse);
+  return lse;
+}
+
+template <typename T>
+void Phase1Forward(const PhaseInfo& info, void* scratch, void*, int64_t begin, int64_t end) {
+  using A = typename Row<T>::A;
+  const attnres_params& p = *info.params;
+  const int64_t S = p.num_queries, N = p.num_blocks, padded = info.padded_dim;
+  PhaseScratch<T> ws(scratch, S, N, padded);
+  for (int64_t s = 0; s < S; ++s) {
+    ws.rows[s] = static_cast<const A*>(info.wg) + s * padded;
+    ws.weights[s] = ws.a + s * N;
+  }
+  for (int64_t t = begin; t < end; ++t) {
+    Phase1Logits<T>(info, t, S, ws);
+    for (int64_t s = 0; s < S; ++s) {
+      static_cast<A*>(p.query_lses[s])[t] = Phase1Weights(ws, s, N);
+      ws.outs[s] = static_cast<T*>(p.query_outs[s]) + t * p.out_row_stride;
+    }
+    PhaseRow<T>::template Mix<false>(ws.src, N, ws.weights, ws.outs, S, p.dim);
+  }
+}
+
+template <typename T>
+void Phase1Backward(const PhaseInfo& info, void* scratch, void* partials, int64_t begin,
+                    int64_t end) {
+  using R = PhaseRow<T>;
+  using A = typename R::A;
+  const attnres_params& p = *info.params;
+  const int64_t S = p.num_queries, N = p.num_blocks, padded = info.padded_dim, dim = p.dim;
+  const A scale = static_cast<A>(p.scale);
+  PhaseScratch<T> ws(scratch, S, N, padded);
+  for (int64_t s = 0; s < S; ++s) {
+    ws.rows[s] = static_cast<const A*>(info.wg) + s * padded;
+    ws.rows[S + s] = ws.g + s * padded;
+    ws.weights[s] = ws.dz + s * N;  // c_{s,i}, for U_s
+    ws.outs[s] = partials != nullptr ? static_cast<A*>(partials) + s * padded : nullptr;
+  }
+  for (int64_t t = begin; t < end; ++t) {
+    for (int64_t s = 0; s < S; ++s) {
+      const T* g = p.grad_query_outs[s] != nullptr
+                       ? RowOf<T>(p.grad_query_outs[s], t, p.grad_out_row_stride)
+                       : nullptr;
+      if (g != nullptr) {
+        R::Widen(ws.g + s * padded, g, dim);
+      } else {
+        std::memset(ws.g + s * padded, 0, padded * sizeof(A));
+      }
+    }
+    Phase1Logits<T>(info, t, 2 * S, ws);
+    for (int64_t i = 0; i < N; ++i) ws.b[i] = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      Phase1Weights(ws, s, N);
+      const A* lse_grad = p.grad_query_lses != nullptr
+                              ? static_cast<const A*>(p.grad_query_lses[s])
+                              : nullptr;
+      const A e = lse_grad != nullptr ? lse_grad[t] : A(0);
+      A* dz = ws.dz + s * N;  // dot(g_s, v_i) in, dz_{s,i} out
+      math::SoftmaxBackward(ws.a + s * N, dz, N, e, dz);
+      for (int64_t i = 0; i < N; ++i) {
+        const math::KeyChain<A> chain =
+            math::KeyGradient(ws.z[s * N + i], ws.r[i], scale, dim, p.rmsnorm != 0);
+        ws.b[i] += dz[i] * chain.b;
+        dz[i] *= chain.a;  // c_{s,i}
+      }
+    }
+    for (int64_t i = 0; p.grad_blocks != nullptr && i < N; ++i) {
+      if (p.grad_blocks[i] == nullptr) continue;
+      T* dv = static_cast<T*>(p.grad_blocks[i]) + t * p.grad_source_row_stride;
+      const auto grad = p.accumulate_grads ? R::template SourceGrad<true> : R::template SourceGrad<false>;
+      grad(dv, ws.src[i], ws.b[i], ws.rows + S, ws.rows, ws.a + i, ws.dz + i, S, N, dim);
+    }
+    if (partials != nullptr) R::template Mix<true>(ws.src, N, ws.weights, ws.outs, S, dim);
+  }
+}
+
+// ---- Phase 2 ----------------------------------------------------------------
+
+// One token of phase 2: its rows and merge weight.
+template <typename T>
+struct MergeToken {
+  using A = typename Row<T>::A;
+  const T* o;
+  const T* p;  // null: no partial block (h = o)
+  A beta = 1, z = 0, r = 1;
+
+  MergeToken(const PhaseInfo& info, int64_t t) {
+    const attnres_params& pr = *info.params;
+    o = RowOf<T>(pr.query_out, t, pr.source_row_stride);
+    p = pr.partial != nullptr ? RowOf<T>(pr.partial, t, pr.source_row_stride) : nullptr;
+    if (p == nullptr) return;
+    const A* wg = static_cast<const A*>(info.wg);
+    A sum_sq = 0, dot = 0;
+    PhaseRow<T>::Dots(p, &wg, 1, pr.dim, &sum_sq, &dot);
+    r = pr.rmsnorm ? math::Rms(sum_sq, pr.dim, static_cast<A>(pr.eps)) : A(1);
+    z = static_cast<A>(pr.scale) * (dot / r);
+    beta = math::MergeWeight(static_cast<const A*>(pr.query_lse)[t], z);
+  }
+
+  // h over the pair of vectors at d.
+  void H(int64_t d, int64_t dim, typename Row<T>::V& lo, typename Row<T>::V& hi) const {
+    using R = Row<T>;
+    R::Load2(o + d, dim - d, lo, hi);
+    if (p == nullptr) return;
+    typename R::V p_lo, p_hi;
+    R::Load2(p + d, dim - d, p_lo, p_hi);
+    const auto vb = R::Splat(beta), vp = R::Splat(A(1) - beta);
+    lo = vb * lo + vp * p_lo;
+    hi = vb * hi + vp * p_hi;
+  }
+};
+
+template <typename T>
+void Phase2Forward(const PhaseInfo& info, void*, void*, int64_t begin, int64_t end) {
+  using R = Row<T>;
+  using A = typename R::A;
+  using V = typename R::V;
+  const attnres_params& p = *info.params;
+  const int64_t dim = p.dim, kLanes = R::kLanes;
+  const A* nw = static_cast<const A*>(info.norm_weight);
+  for (int64_t t = begin; t < end; ++t) {
+    const MergeToken<T> tok(info, t);
+    T* out = static_cast<T*>(p.out) + t * p.out_row_stride;
+    V scale = R::Splat(A(1));
+    if (p.input_norm) {
+      V sq0{}, sq1{};
+      for (int64_t d = 0; d < dim; d += R::kPair) {
+        V lo, hi;
+        tok.H(d, dim, lo, hi);
+        sq0 += lo * lo;
+        sq1 += hi * hi;
+      }
+      scale = R::Splat(A(1) / math::Rms(R::Sum(sq0 + sq1), dim, static_cast<A>(p.norm_eps)));
+    }
+    for (int64_t d = 0; d < dim; d += R::kPair) {
+      V lo, hi;
+      tok.H(d, dim, lo, hi);
+      if (p.input_norm) {
+        lo = lo * scale * R::LoadA(nw + d);
+        hi = hi * scale * R::LoadA(nw + d + kLanes);
+      }
+      R::Store2(out + d, lo, hi, dim - d);
+    }
+  }
+}
+
+// Phase 2 backward, per token (g = dL/dout):
+//   with input_norm  h' = h / r_h,  dh = (g nw - h' dot(g nw, h') / dim) / r_h,
+//                    dnorm_weight += g h'
+//   do = beta dh,  dbeta = dot(dh, o - p),  dlse = dbeta beta (1 - beta),  dz_p = -dlse
+//   dp = (1 - beta) dh + c u + b p  (c, b: the key chain of z_p),  U += c p
+template <typename T>
+void Phase2Backward(const PhaseInfo& info, void*, void* partials, int64_t begin, int64_t end) {
+  using R = Row<T>;
+  using A = typename R::A;
+  using V = typename R::V;
+  const attnres_params& p = *info.params;
+  const int64_t dim = p.dim, kLanes = R::kLanes, padded = info.padded_dim;
+  const A* nw = static_cast<const A*>(info.norm_weight);
+  const A* wg = static_cast<const A*>(info.wg);
+  A* u_sum = partials != nullptr ? static_cast<A*>(partials) : nullptr;
+  A* nw_sum = partials != nullptr ? static_cast<A*>(partials) + padded : nullptr;
+  for (int64_t t = begin; t < end; ++t) {
+    const MergeToken<T> tok(info, t);
+    const T* g = RowOf<T>(p.grad_out, t, p.grad_out_row_stride);
+    // dh over the pair at d, given h there.
+    A inv_r = 1, proj = 0;  // 1 / r_h and dot(g nw, h') / dim
+    const auto dh = [&](int64_t d, V h_lo, V h_hi, V& lo, V& hi) {
+      R::Load2(g + d, dim - d, lo, hi);
+      if (!p.input_norm) return;
+      const V vi = R::Splat(inv_r), vproj = R::Splat(proj);
+      lo = (lo * R::LoadA(nw + d) - h_lo * vi * vproj) * vi;
+      hi = (hi * R::LoadA(nw + d + kLanes) - h_hi * vi * vproj) * vi;
+    };
+    if (p.input_norm) {
+      V sq0{}, sq1{}, gh0{}, gh1{};
+      for (int64_t d = 0; d < dim; d += R::kPair) {
+        V lo, hi, g_lo, g_hi;
+        tok.H(d, dim, lo, hi);
+        R::Load2(g + d, dim - d, g_lo, g_hi);
+        sq0 += lo * lo;
+        sq1 += hi * hi;
+        gh0 += g_lo * R::LoadA(nw + d) * lo;
+        gh1 += g_hi * R::LoadA(nw + d + kLanes) * hi;
+      }
+      inv_r = A(1) / math::Rms(R::Sum(sq0 + sq1), dim, static_cast<A>(p.norm_eps));
+      proj = R::Sum(gh0 + gh1) * inv_r / static_cast<A>(dim);
+    }
+    // do = beta dh, dbeta = dot(dh, o - p), dnorm_weight += g h'.
+    V db0{}, db1{};
+    T* grad_o = p.grad_query_out != nullptr
+                    ? static_cast<T*>(p.grad_query_out) + t * p.grad_source_row_stride
+                    : nullptr;
+    const V vbeta = R::Splat(tok.beta);
+    for (int64_t d = 0; d < dim; d += R::kPair) {
+      V h_lo, h_hi, lo, hi;
+      tok.H(d, dim, h_lo, h_hi);
+      dh(d, h_lo, h_hi, lo, hi);
+      if (tok.p != nullptr) {
+        V o_lo, o_hi, p_lo, p_hi;
+        R::Load2(tok.o + d, dim - d, o_lo, o_hi);
+        R::Load2(tok.p + d, dim - d, p_lo, p_hi);
+        db0 += lo * (o_lo - p_lo);
+        db1 += hi * (o_hi - p_hi);
+      }
+      if (grad_o != nullptr) R::Store2(grad_o + d, vbeta * lo, vbeta * hi, dim - d);
+      if (p.input_norm && nw_sum != nullptr) {
+        V g_lo, g_hi;
+        R::Load2(g + d, dim - d, g_lo, g_hi);
+        const V vi = R::Splat(inv_r);
+        R::StoreA(nw_sum + d, R::LoadA(nw_sum + d) + g_lo * h_lo * vi);
+        R::StoreA(nw_sum + d + kLanes, R::LoadA(nw_sum + d + kLanes) + g_hi * h_hi * vi);
+      }
+    }
+    const A beta = tok.beta;
+    const A dlse = tok.p != nullptr ? R::Sum(db0 + db1) * beta * (A(1) - beta) : A(0);
+    if (p.grad_query_lse != nullptr) static_cast<A*>(p.grad_query_lse)[t] = dlse;
+    if (tok.p == nullptr || (p.grad_partial == nullptr && u_sum == nullptr)) continue;
+    // dp and U.
+    const math::KeyChain<A> chain =
+        math::KeyGradient(tok.z, tok.r, static_cast<A>(p.scale), dim, p.rmsnorm != 0);
+    const V vc = R::Splat(-dlse * chain.a), vb = R::Splat(-dlse * chain.b);
+    const V vkeep = R::Splat(A(1) - beta);
+    T* grad_p = p.grad_partial != nullptr
+                    ? static_cast<T*>(p.grad_partial) + t * p.grad_source_row_stride
+                    : nullptr;
+    for (int64_t d = 0; d < dim; d += R::kPair) {
+      V p_lo, p_hi;
+      R::Load2(tok.p + d, dim - d, p_lo, p_hi);
+      if (u_sum != nullptr) {
+        R::StoreA(u_sum + d, R::LoadA(u_sum + d) + vc * p_lo);
+        R::StoreA(u_sum + d + kLanes, R::LoadA(u_sum + d + kLanes) + vc * p_hi);
+      }
+      if (grad_p == nullptr) continue;
+      V h_lo{}, h_hi{}, lo, hi;
+      if (p.input_norm) tok.H(d, dim, h_lo, h_hi);
+      dh(d, h_lo, h_hi, lo, hi);
+      lo = vkeep * lo + vc * R::LoadA(wg + d) + vb * p_lo;
+      hi = vkeep * hi + vc * R::LoadA(wg + d + kLanes) + vb * p_hi;
+      R::Store2(grad_p + d, lo, hi, dim - d);
+    }
+  }
+}
+
+}  // namespace
+
+namespace ATTNRES_ISA {
+// Indexed by attnres_dtype: FLOAT32, FLOAT64, BFLOAT16, FLOAT16.
+extern const PhaseKernels kTwoPhaseKernels = {
+    {Phase1Forward<float>, Phase1Forward<double>, Phase1Forward<Bf16>, Phase1Forward<F16>},
+    {Phase1Backward<float>, Phase1Backward<double>, Phase1Backward<Bf16>, Phase1Backward<F16>},
+    {Phase2Forward<float>, Phase2Forward<double>, Phase2Forward<Bf16>, Phase2Forward<F16>},
+    {Phase2Backward<float>, Phase2Backward<double>, Phase2Backward<Bf16>, Phase2Backward<F16>},
+};
+}  // namespace ATTNRES_ISA
+
+}  // namespace attnres::cpu
