@@ -283,3 +283,185 @@ def phase2_backward(grad: Tensor, out: Tensor, lse: Tensor, partial: Optional[Te
                 grad_norm_weight=_ptr(grad_nw))
     _native._call(_native._lib.attnres_phase2_backward, p, out)
     return result
+
+
+# ---------------------------------------------------------------------------------
+# Custom ops
+# ---------------------------------------------------------------------------------
+
+@torch.library.custom_op("attnres::phase1", mutates_args=())
+def _phase1(blocks: list[Tensor], w: Tensor, gamma: Optional[Tensor], eps: float, scale: float,
+            rmsnorm: bool) -> list[Tensor]:
+    """The S outputs then the S LSEs, in one list (a fixed length: 2S)."""
+    outs, lses = phase1_forward(blocks, w, gamma, eps=eps, scale=scale, rmsnorm=rmsnorm)
+    return outs + lses
+
+
+@_phase1.register_fake
+def _phase1_fake(blocks, w, gamma, eps, scale, rmsnorm):
+    blocks, _, num_queries = _check_phase1(_PHASE1, blocks, w, gamma, eps, scale)
+    first = blocks[0]
+    acc = _native.accumulation_dtype(first.dtype)
+    return ([first.new_empty(first.shape) for _ in range(num_queries)]
+            + [first.new_empty(first.shape[:-1], dtype=acc) for _ in range(num_queries)])
+
+
+@torch.library.custom_op("attnres::phase1_backward", mutates_args=())
+def _phase1_backward(grad_outs: list[Optional[Tensor]], grad_lses: list[Optional[Tensor]],
+                     blocks: list[Tensor], w: Tensor, gamma: Optional[Tensor], eps: float,
+                     scale: float, rmsnorm: bool, need_blocks: list[bool], need_w: bool,
+                     need_gamma: bool) -> list[Tensor]:
+    """The needed gradients, in the order (needed blocks..., w, gamma)."""
+    grad_blocks, grad_w, grad_gamma = phase1_backward(
+        grad_outs, grad_lses, blocks, w, gamma, eps=eps, scale=scale, rmsnorm=rmsnorm,
+        need_blocks=need_blocks, need_w=need_w, need_gamma=need_gamma)
+    return [g for g in grad_blocks if g is not None] + [
+        g for g in (grad_w, grad_gamma) if g is not None]
+
+
+@_phase1_backward.register_fake
+def _phase1_backward_fake(grad_outs, grad_lses, blocks, w, gamma, eps, scale, rmsnorm,
+                          need_blocks, need_w, need_gamma):
+    grads = [b.new_empty(b.shape) for b, need in zip(blocks, need_blocks) if need]
+    if need_w:
+        grads.append(w.new_empty(w.shape))
+    if need_gamma and rmsnorm and gamma is not None:
+        grads.append(w.new_empty(w.shape))
+    return grads
+
+
+def _phase1_setup_context(ctx, inputs, output):
+    blocks, w, gamma, eps, scale, rmsnorm = inputs
+    ctx.num_blocks = len(blocks)
+    ctx.eps, ctx.scale, ctx.rmsnorm = eps, scale, rmsnorm
+    ctx.save_for_backward(*blocks, w, gamma if rmsnorm else None)
+
+
+def _phase1_grad(ctx, grads):
+    saved = ctx.saved_tensors
+    n = ctx.num_blocks
+    blocks, (w, gamma) = list(saved[:n]), saved[n:]
+    num_queries = w.shape[0]
+    grad_outs, grad_lses = list(grads[:num_queries]), list(grads[num_queries:])
+    need_blocks = [bool(x) for x in ctx.needs_input_grad[0]]
+    need_w = bool(ctx.needs_input_grad[1])
+    need_gamma = bool(ctx.needs_input_grad[2]) and gamma is not None
+    result = iter(torch.ops.attnres.phase1_backward(
+        grad_outs, grad_lses, blocks, w, gamma, ctx.eps, ctx.scale, ctx.rmsnorm, need_blocks,
+        need_w, need_gamma))
+    grad_blocks = [next(result) if need else None for need in need_blocks]
+    grad_w = next(result) if need_w else None
+    grad_gamma = next(result) if need_gamma else None
+    return grad_blocks, grad_w, grad_gamma, None, None, None
+
+
+_phase1.register_autograd(_phase1_grad, setup_context=_phase1_setup_context)
+
+
+@torch.library.custom_op("attnres::phase2", mutates_args=())
+def _phase2(out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Tensor,
+            gamma: Optional[Tensor], norm_weight: Optional[Tensor], eps: float, scale: float,
+            rmsnorm: bool, input_norm: bool, norm_eps: float) -> Tensor:
+    return phase2_forward(out, lse, partial, w, gamma, eps=eps, scale=scale, rmsnorm=rmsnorm,
+                          norm_weight=norm_weight, input_norm=input_norm, norm_eps=norm_eps)
+
+
+@_phase2.register_fake
+def _phase2_fake(out, lse, partial, w, gamma, norm_weight, eps, scale, rmsnorm, input_norm,
+                 norm_eps):
+    _check_phase2(_PHASE2, out, lse, partial, w, gamma, norm_weight, eps, scale, norm_eps)
+    return out.new_empty(out.shape)
+
+
+@torch.library.custom_op("attnres::phase2_backward", mutates_args=())
+def _phase2_backward(grad: Tensor, out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Tensor,
+                     gamma: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
+                     scale: float, rmsnorm: bool, input_norm: bool, norm_eps: float,
+                     need: list[bool]) -> list[Tensor]:
+    """The needed gradients of (out, lse, partial, w, gamma, norm_weight), in that order."""
+    grads = phase2_backward(grad, out, lse, partial, w, gamma, eps=eps, scale=scale,
+                            rmsnorm=rmsnorm, norm_weight=norm_weight, input_norm=input_norm,
+                            norm_eps=norm_eps, need=need)
+    return [g for g in grads if g is not None]
+
+
+def _phase2_applicable(need, partial, gamma, rmsnorm, input_norm) -> List[bool]:
+    """`need` restricted to the gradients that exist for these arguments."""
+    exists = [True, True, partial is not None, True, gamma is not None and rmsnorm, input_norm]
+    return [bool(n) and e for n, e in zip(need, exists)]
+
+
+@_phase2_backward.register_fake
+def _phase2_backward_fake(grad, out, lse, partial, w, gamma, norm_weight, eps, scale, rmsnorm,
+                          input_norm, norm_eps, need):
+    likes = [out, lse, out, w, w, w]
+    need = _phase2_applicable(need, partial, gamma, rmsnorm, input_norm)
+    return [like.new_empty(like.shape) for like, n in zip(likes, need) if n]
+
+
+def _phase2_setup_context(ctx, inputs, output):
+    out, lse, partial, w, gamma, norm_weight, eps, scale, rmsnorm, input_norm, norm_eps = inputs
+    ctx.args = (eps, scale, rmsnorm, input_norm, norm_eps)
+    ctx.save_for_backward(out, lse, partial, w, gamma, norm_weight)
+
+
+def _phase2_grad(ctx, grad):
+    out, lse, partial, w, gamma, norm_weight = ctx.saved_tensors
+    eps, scale, rmsnorm, input_norm, norm_eps = ctx.args
+    need = _phase2_applicable(ctx.needs_input_grad[:6], partial, gamma, rmsnorm, input_norm)
+    result = iter(torch.ops.attnres.phase2_backward(
+        grad, out, lse, partial, w, gamma, norm_weight, eps, scale, rmsnorm, input_norm,
+        norm_eps, need))
+    return tuple(next(result) if n else None for n in need) + (None,) * 5
+
+
+_phase2.register_autograd(_phase2_grad, setup_context=_phase2_setup_context)
+
+
+# ---------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------
+
+def block_attn_res_phase1(blocks: Sequence[Tensor], w: Tensor, gamma: Optional[Tensor] = None, *,
+                          eps: float = 1e-6, scale: float = 1.0, rmsnorm: bool = True
+                          ) -> Tuple[List[Tensor], List[Tensor]]:
+    """Phase 1 for S queries over the N completed blocks, differentiable.
+
+    ``blocks``: a list of N tensors ``[..., D]``; ``w`` and ``gamma``: ``[S, D]`` (gamma
+    None: no learned RMSNorm weight; ignored without RMSNorm). Returns ``(outs, lses)``:
+    S tensors ``[..., D]`` in the blocks' dtype and S tensors ``[...]`` in fp32 (fp64
+    for fp64 blocks).
+    """
+    if not isinstance(blocks, (list, tuple)):
+        raise _validate.error(_PHASE1, "blocks", "a list or tuple of tensors",
+                              _validate._kind(blocks))
+    _check_phase1(_PHASE1, blocks, w, gamma, eps, scale)
+    result = torch.ops.attnres.phase1(list(blocks), w, gamma if rmsnorm else None, float(eps),
+                                      float(scale), bool(rmsnorm))
+    num_queries = w.shape[0]
+    return list(result[:num_queries]), list(result[num_queries:])
+
+
+def block_attn_res_phase2(out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Tensor,
+                          gamma: Optional[Tensor] = None, *, eps: float = 1e-6,
+                          scale: float = 1.0, rmsnorm: bool = True,
+                          norm_weight: Optional[Tensor] = None,
+                          input_norm: Optional[bool] = None, norm_eps: float = 1e-6) -> Tensor:
+    """Phase 2 for one sub-layer, differentiable: merges phase 1's ``out``, ``lse`` of
+    this sub-layer's query (``w``, ``gamma``: ``[D]``) with the partial block.
+
+    ``partial`` None returns ``out`` (the first sub-layer of a block), after the input
+    norm if there is one. ``input_norm`` (default: ``norm_weight is not None``)
+    returns ``RMSNorm(h) * norm_weight`` (``norm_weight`` None: ones), fused so that
+    ``h`` makes no round trip through memory.
+    """
+    if input_norm is None:
+        input_norm = norm_weight is not None
+    if norm_weight is not None and not input_norm:
+        raise _validate.error(_PHASE2, "norm_weight", "None when input_norm=False",
+                              "a tensor")
+    if partial is None and not input_norm:
+        return out
+    return torch.ops.attnres.phase2(out, lse, partial, w, gamma if rmsnorm else None,
+                                    norm_weight, float(eps), float(scale), bool(rmsnorm),
+                                    bool(input_norm), float(norm_eps))
