@@ -134,13 +134,12 @@ def sources(function: str, blocks: object, partial: object, w: object, gamma: ob
     raise AssertionError("unreachable: a check above fails")
 
 
-def scalars(function: str, scale: float, eps: Optional[float],
-            names: Names = NATIVE_NAMES) -> None:
-    """scale finite, eps (None: not an argument) finite and >= 0. Checked here too because
-    an empty batch returns before reaching the C ABI."""
+def scalars(function: str, scale: float, eps: float, names: Names = NATIVE_NAMES) -> None:
+    """scale finite, eps finite and >= 0 (a non-number raises TypeError). Checked here too
+    because an empty batch returns before reaching the C ABI."""
     if not math.isfinite(scale):
         raise error(function, "scale", "finite", str(scale))
-    if eps is not None and not (math.isfinite(eps) and eps >= 0):
+    if not (math.isfinite(eps) and eps >= 0):
         raise error(function, names.eps, "finite and >= 0", str(eps))
 
 
@@ -213,7 +212,7 @@ def seed_backward(grad_h, blocks, proj_weight, alpha_cache, partial_block, rmsno
     # gamma plays no part (and is not checked) without RMSNorm, as in the seed.
     gamma = rmsnorm_gamma if enable_rmsnorm else None
     all_sources, _, _ = sources(function, blocks, partial_block, proj_weight, gamma, SEED_NAMES)
-    scalars(function, scale, None, SEED_NAMES)
+    scalars(function, scale, 0.0, SEED_NAMES)  # the seed's backward takes no eps
     first = all_sources[0]
     b, t, _ = first.shape
     num_sources = len(all_sources)

@@ -141,3 +141,19 @@ def test_every_front_end_uses_one_message_style(case):
     message = str(info.value)
     pattern = rf"{re.escape(function)}: {re.escape(argument)} must be \S.*, got \S"
     assert re.match(pattern, message), message
+
+
+@pytest.mark.parametrize("bad", [None, "1.0"])
+def test_scalars_that_are_not_numbers_are_refused_before_the_library(bad):
+    """A non-number never reaches the packed struct (where it would raise struct.error)."""
+    blocks, partial, w, gamma = inputs()
+    calls = [
+        lambda: attnres.block_attn_res_fn(blocks, partial, w, gamma, scale=bad),
+        lambda: attnres.block_attn_res_fn(blocks, partial, w, gamma, eps=bad),
+        lambda: attnres.block_attn_res(blocks, w, partial, rmsnorm_gamma=gamma, scale=bad),
+        lambda: attnres.block_attn_res(blocks, w, partial, rmsnorm_gamma=gamma, rmsnorm_eps=bad),
+        lambda: _native.forward(blocks, partial, w, gamma, scale=1.0, eps=bad, rmsnorm=True),
+    ]
+    for call in calls:
+        with pytest.raises((ValueError, TypeError)):
+            call()
