@@ -6,6 +6,8 @@ Seed-compatible functions (drop-in for the original PyPTO/Ascend operator; attnr
 Training: block_attn_res_fn (attnres.functional; autograd over the torch.library op
 attnres::block_attn_res in attnres.ops, torch.compile-ready) and the module
 attnres.nn.BlockAttnRes.
+The report's two-phase schedule: block_attn_res_phase1, block_attn_res_phase2
+(attnres.two_phase) and the residual stream attnres.nn.BlockAttnResStream.
 Runtime controls: set_num_threads, get_num_threads, cpu_isa, set_cpu_isa,
 cuda_available.
 """
@@ -15,6 +17,7 @@ from ._native import (__version__, cpu_isa, cuda_available, get_num_threads, set
 from .compat import (ai_infra_block_attn_res, ai_infra_block_attn_res_backward,
                      block_attn_res, block_attn_res_backward)
 from .functional import block_attn_res_fn
+from .two_phase import block_attn_res_phase1, block_attn_res_phase2
 from . import compat, nn
 
 __all__ = [
@@ -24,6 +27,8 @@ __all__ = [
     "block_attn_res",
     "block_attn_res_backward",
     "block_attn_res_fn",
+    "block_attn_res_phase1",
+    "block_attn_res_phase2",
     "compat",
     "cpu_isa",
     "cuda_available",

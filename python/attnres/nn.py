@@ -9,8 +9,9 @@ from torch import Tensor, nn
 
 from . import _validate
 from .functional import block_attn_res_fn
+from .stream import BlockAttnResStream
 
-__all__ = ["BlockAttnRes"]
+__all__ = ["BlockAttnRes", "BlockAttnResStream"]
 
 
 class BlockAttnRes(nn.Module):

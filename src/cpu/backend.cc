@@ -2,7 +2,7 @@
 // and chunks over OpenMP threads, and reduces dw/dgamma deterministically.
 //
 // Determinism: the backward splits tokens into chunks whose size depends only on
-// the problem (dim and dtype), never on the thread count. Each chunk sums its
+// the problem (tokens, dim, L, dtype), never on the thread count. Each chunk sums its
 // share of U = sum_{t,i} a_i v_i into its own row of a partials buffer, and the
 // rows are then added in chunk order. So dw = gamma * U and dgamma = w * U are
 // bitwise identical for any number of threads, with no atomics.
@@ -40,8 +40,21 @@ constexpr int64_t kMaxVectorBytes = 64;
 constexpr int64_t kForwardTileSourceBytes = 64 * 1024;
 constexpr int64_t kBackwardTileSourceBytes = 128 * 1024;
 constexpr int64_t kMaxTileTokens = 64;
-// Tokens per backward chunk (one row of U partials each); a multiple of the tile.
+// Tokens per backward chunk (one row of U partials each), at most: a multiple of
+// the tile. Fewer when the call has few tokens (BackwardChunkTokens).
 constexpr int64_t kChunkTokens = 256;
+// A backward call is cut into at least this many chunks when it has the tokens,
+// so that a decode- or small-batch-sized backward (64 tokens) still gives every
+// thread work. A function of the problem only, never of the thread count, so the
+// chunk-order sums of dw and dgamma stay bitwise identical for any thread count.
+constexpr int64_t kMinChunks = 16;
+
+// Tokens per chunk: ceil(tokens / kMinChunks) rounded up to whole tiles, capped at
+// kChunkTokens (a multiple of every tile size).
+int64_t BackwardChunkTokens(int64_t num_tokens, int64_t tile_tokens) {
+  const int64_t want = std::max<int64_t>(1, (num_tokens + kMinChunks - 1) / kMinChunks);
+  return std::min(kChunkTokens, (want + tile_tokens - 1) / tile_tokens * tile_tokens);
+}
 // Outputs larger than this are written with non-temporal stores: they will not be
 // read from cache again, and normal stores would read every line first. Smaller
 // outputs stay in cache for whoever reads them next.
@@ -374,7 +387,8 @@ attnres_status CpuForward(const attnres_params& p) {
 attnres_status CpuBackward(const attnres_params& p) {
   cpu::Call call(p);
   call.Prepare(/*backward=*/true);
-  const int64_t num_chunks = (p.num_tokens + cpu::kChunkTokens - 1) / cpu::kChunkTokens;
+  const int64_t chunk_tokens = cpu::BackwardChunkTokens(p.num_tokens, call.info().tile_tokens);
+  const int64_t num_chunks = (p.num_tokens + chunk_tokens - 1) / chunk_tokens;
   const int threads = cpu::ThreadsFor(num_chunks);
   const bool weight_grads = p.grad_proj_weight != nullptr || p.grad_gamma != nullptr;
   const int64_t u_rows = weight_grads ? num_chunks : 0;
@@ -383,8 +397,8 @@ attnres_status CpuBackward(const attnres_params& p) {
   cpu::ParallelFor(threads, num_chunks, [&](int thread, int64_t chunk) {
     cpu::Scratch scratch = call.ThreadScratch(thread);
     scratch.u = weight_grads ? call.ChunkU(chunk) : nullptr;
-    const int64_t chunk_end = std::min((chunk + 1) * cpu::kChunkTokens, p.num_tokens);
-    backward(call.info(), scratch, chunk * cpu::kChunkTokens, chunk_end);
+    const int64_t chunk_end = std::min((chunk + 1) * chunk_tokens, p.num_tokens);
+    backward(call.info(), scratch, chunk * chunk_tokens, chunk_end);
   });
 
   if (weight_grads) {

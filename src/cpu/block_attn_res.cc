@@ -212,7 +212,7 @@ void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin
   if (stream) R::FenceStreams();
 }
 
-// The backward of one range of tokens (a chunk of kChunkTokens), as a pipeline of
+// The backward of one range of tokens (a chunk, backend.cc), as a pipeline of
 // tiles. Pass 2 of a tile is memory-bound (it writes every dv row and prefetches
 // a tile's rows) while pass 1 runs from L2 with memory idle: a quarter of the time
 // when they took turns. So pass 1 of tile k + 1 runs *inside* pass 2 of tile k, a

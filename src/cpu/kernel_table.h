@@ -37,7 +37,7 @@ struct Scratch {
 };
 
 // Tokens [begin, end) of one call. Forward: one tile (end - begin <= tile_tokens),
-// writes out and the requested caches. Backward: one chunk (kChunkTokens, the unit
+// writes out and the requested caches. Backward: one chunk (backend.cc, the unit
 // of the deterministic dw/dgamma sum), tiled inside as a pipeline of two tiles;
 // writes the requested source gradients and adds the chunk's U to scratch.u
 // (which the caller zeroed).
