@@ -5,7 +5,10 @@
 # Cache variables:
 #   ATTNRES_CUDA_ARCHITECTURES  GPU architectures to build for (default "80;90":
 #                               SASS for A100 and H100/H200, plus compute_90 PTX
-#                               that later GPUs JIT-compile).
+#                               that later GPUs JIT-compile). "native" builds for
+#                               the GPUs of this machine (CMake >= 3.24);
+#                               scripts/gpu_check.sh passes the compute
+#                               capability that nvidia-smi reports.
 
 enable_language(CUDA)
 find_package(CUDAToolkit REQUIRED)
@@ -13,10 +16,16 @@ find_package(CUDAToolkit REQUIRED)
 set(ATTNRES_CUDA_ARCHITECTURES "80;90" CACHE STRING
     "CUDA architectures of the attnres CUDA backend")
 
+# One .cu per op (block_attn_res.cu, ...) plus the shared runtime.cu; the
+# headers are listed so that editing one rebuilds what includes it under any
+# generator.
 set(_attnres_cuda_dir ${CMAKE_CURRENT_LIST_DIR}/../src/cuda)
-target_sources(attnres PRIVATE ${_attnres_cuda_dir}/block_attn_res.cu)
-set_source_files_properties(${_attnres_cuda_dir}/block_attn_res.cu PROPERTIES
-  OBJECT_DEPENDS "${_attnres_cuda_dir}/common.cuh;${_attnres_cuda_dir}/block_attn_res_fused.cuh;${_attnres_cuda_dir}/block_attn_res_generic.cuh")
+file(GLOB _attnres_cuda_sources CONFIGURE_DEPENDS ${_attnres_cuda_dir}/*.cu)
+file(GLOB _attnres_cuda_headers CONFIGURE_DEPENDS ${_attnres_cuda_dir}/*.cuh ${_attnres_cuda_dir}/*.h)
+list(APPEND _attnres_cuda_headers ${CMAKE_CURRENT_LIST_DIR}/../src/core/token_math.h)
+target_sources(attnres PRIVATE ${_attnres_cuda_sources})
+set_source_files_properties(${_attnres_cuda_sources} PROPERTIES
+  OBJECT_DEPENDS "${_attnres_cuda_headers}")
 
 set_target_properties(attnres PROPERTIES
   CUDA_ARCHITECTURES "${ATTNRES_CUDA_ARCHITECTURES}"
@@ -30,10 +39,16 @@ option(ATTNRES_CUDA_PTXAS_VERBOSE "Print ptxas register/spill statistics" OFF)
 if(ATTNRES_CUDA_PTXAS_VERBOSE)
   target_compile_options(attnres PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Xptxas=-v>)
 endif()
-target_compile_definitions(attnres PRIVATE ATTNRES_WITH_CUDA=1)
+# Error messages name the architectures the library carries code for, so that a
+# GPU it was not built for is recognisable at once.
+string(REPLACE ";" "," _attnres_cuda_archs_text "${ATTNRES_CUDA_ARCHITECTURES}")
+target_compile_definitions(attnres PRIVATE ATTNRES_WITH_CUDA=1
+  ATTNRES_CUDA_ARCHS="${_attnres_cuda_archs_text}")
 # The static runtime: libattnres.so carries its own cudart and needs only the
 # driver (libcuda.so) at run time, whatever runtime the host process uses.
 target_link_libraries(attnres PRIVATE CUDA::cudart_static)
+# scripts/gpu_check.sh looks for this line in the configure output.
+message(STATUS "attnres: CUDA backend on, architectures ${ATTNRES_CUDA_ARCHITECTURES}")
 
 if(TARGET attnres_tests)
   # tests/cpp/test_cuda.cc allocates device buffers itself.
@@ -42,3 +57,6 @@ if(TARGET attnres_tests)
 endif()
 
 unset(_attnres_cuda_dir)
+unset(_attnres_cuda_sources)
+unset(_attnres_cuda_headers)
+unset(_attnres_cuda_archs_text)

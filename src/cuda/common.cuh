@@ -1,6 +1,7 @@
 // Device-side building blocks shared by every attnres CUDA kernel: storage-type
-// conversions, 128-bit row I/O with cache hints, the source pointer tables and
-// deterministic reductions.
+// conversions, row I/O in 16-byte chunks with cache hints, source pointer
+// tables, deterministic reductions, and the final reduction of weight-gradient
+// partial rows.
 //
 // Every reduction here sums in a fixed order that does not depend on timing:
 // warp butterflies (xor shuffles) give every lane the same bits, because IEEE
@@ -18,15 +19,19 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/plan.h"
+
 namespace attnres::cuda {
 
-constexpr int kWarpSize = 32;
+constexpr int kWarpSize = plan::kWarpSize;
 constexpr int kMaxThreadsPerCta = 1024;
 constexpr int kMaxWarpsPerCta = kMaxThreadsPerCta / kWarpSize;
 
 // Up to this many sources, the L device pointers travel by value in the kernel
 // argument struct (2 tables x 128 x 8 B = 2 KiB, well under the 4 KiB classic
-// parameter limit); above it they are copied to a device buffer first.
+// parameter limit); above it they are written to a scratch buffer by a kernel
+// (runtime.h: FillPointerTable), which CUDA graph capture records like any
+// other launch.
 constexpr int kMaxInlineSources = 128;
 
 // L device pointers, indexed by source. Kernels receive their argument struct as
@@ -93,16 +98,28 @@ struct Traits<double> {
   }
 };
 
-__device__ __forceinline__ float Exp(float x) { return expf(x); }
-__device__ __forceinline__ double Exp(double x) { return exp(x); }
-__device__ __forceinline__ float Sqrt(float x) { return sqrtf(x); }
-__device__ __forceinline__ double Sqrt(double x) { return sqrt(x); }
+template <typename T>
+__device__ __forceinline__ typename Traits<T>::Acc LoadAcc(const void* base, int64_t index) {
+  return Traits<T>::ToAcc(static_cast<const typename Traits<T>::Bits*>(base)[index]);
+}
+
+template <typename T>
+__device__ __forceinline__ void StoreAcc(void* base, int64_t index, typename Traits<T>::Acc x) {
+  static_cast<typename Traits<T>::Bits*>(base)[index] = Traits<T>::FromAcc(x);
+}
+
 __device__ __forceinline__ float Max(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double Max(double a, double b) { return fmax(a, b); }
 
 // ---------------------------------------------------------------------------
-// Row I/O in chunks of kVec elements: one 128-bit access when kVec * sizeof(T)
-// is 16, one scalar access when kVec is 1.
+// Row I/O in chunks of 16 bytes (8 bf16/fp16 or 4 fp32 elements).
+//
+// Which thread owns which chunk never depends on addresses, so the arithmetic,
+// and every bit of the results, is the same for any alignment; only the width
+// of the accesses follows the row: one 128-bit access where the row is 16-byte
+// aligned, else the widest that its address allows (8, 4 or 2 bytes). A row's
+// chunks all share its alignment (they are 16 bytes apart), so the choice is
+// made once per row and is uniform across the warps of a token group.
 //
 // Cache hints: kKeepInL2 (ld.global.cg) for the backward's first pass, whose
 // data the second pass rereads; kStreaming (ld/st.global.cs, evict-first) for
@@ -110,74 +127,134 @@ __device__ __forceinline__ double Max(double a, double b) { return fmax(a, b); }
 
 enum class Hint { kDefault, kKeepInL2, kStreaming };
 
-template <typename T, int kVec>
+// The widest access, in bytes (16, 8, 4, 2 or 1), that address p allows.
+__device__ __forceinline__ int AccessBytes(const void* p) {
+  const unsigned low = static_cast<unsigned>(reinterpret_cast<uintptr_t>(p)) & 15u;
+  return low == 0 ? 16 : static_cast<int>(low & (0u - low));
+}
+
+template <Hint kHint, typename U>
+__device__ __forceinline__ U LoadHinted(const U* p) {
+  if constexpr (kHint == Hint::kKeepInL2) {
+    return __ldcg(p);
+  } else if constexpr (kHint == Hint::kStreaming) {
+    return __ldcs(p);
+  } else {
+    return *p;
+  }
+}
+
+template <Hint kHint, typename U>
+__device__ __forceinline__ void StoreHinted(U* p, U x) {
+  if constexpr (kHint == Hint::kStreaming) {
+    __stcs(p, x);
+  } else {
+    *p = x;
+  }
+}
+
+template <typename T>
 struct Chunk {
   using Bits = typename Traits<T>::Bits;
-  static constexpr bool kVector = kVec > 1;
-  static_assert(!kVector || kVec * sizeof(Bits) == 16, "vector chunks are 128-bit");
-  using Raw = typename std::conditional<kVector, uint4, Bits>::type;
+  static_assert(sizeof(Bits) == 2 || sizeof(Bits) == 4, "chunks hold 16-bit or 32-bit elements");
+  static constexpr int kVec = 16 / sizeof(Bits);
+  using Raw = uint4;  // the chunk's 16 bytes, element j in bits [16 j, 16 j + 16) or word j
 
+  // The kVec elements at p, in accesses of `bytes` (AccessBytes of the row).
   template <Hint kHint>
-  static __device__ __forceinline__ Raw Load(const Bits* p) {
-    const Raw* q = reinterpret_cast<const Raw*>(p);
-    if constexpr (kHint == Hint::kKeepInL2) return __ldcg(q);
-    if constexpr (kHint == Hint::kStreaming) return __ldcs(q);
-    return *q;
+  static __device__ __forceinline__ Raw Load(const Bits* p, int bytes) {
+    if (bytes >= 16) return LoadHinted<kHint>(reinterpret_cast<const uint4*>(p));
+    if (bytes == 8) {
+      const uint2* q = reinterpret_cast<const uint2*>(p);
+      const uint2 a = LoadHinted<kHint>(q), b = LoadHinted<kHint>(q + 1);
+      return make_uint4(a.x, a.y, b.x, b.y);
+    }
+    if (sizeof(Bits) == 4 || bytes == 4) {
+      const unsigned* q = reinterpret_cast<const unsigned*>(p);
+      return make_uint4(LoadHinted<kHint>(q), LoadHinted<kHint>(q + 1), LoadHinted<kHint>(q + 2),
+                        LoadHinted<kHint>(q + 3));
+    }
+    return LoadPartial<kHint>(p, kVec);
+  }
+
+  // The first n elements at p (element-wise accesses), the rest zero.
+  template <Hint kHint>
+  static __device__ __forceinline__ Raw LoadPartial(const Bits* p, int n) {
+    uint32_t words[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      if (j >= n) break;
+      const uint32_t x = LoadHinted<kHint>(p + j);
+      if constexpr (sizeof(Bits) == 4) {
+        words[j] = x;
+      } else {
+        words[j / 2] |= x << (16 * (j % 2));
+      }
+    }
+    return make_uint4(words[0], words[1], words[2], words[3]);
   }
 
   template <Hint kHint>
-  static __device__ __forceinline__ void Store(Bits* p, const Raw& raw) {
-    Raw* q = reinterpret_cast<Raw*>(p);
-    if constexpr (kHint == Hint::kStreaming) {
-      __stcs(q, raw);
+  static __device__ __forceinline__ void Store(Bits* p, const Raw& raw, int bytes) {
+    if (bytes >= 16) {
+      StoreHinted<kHint>(reinterpret_cast<uint4*>(p), raw);
+    } else if (bytes == 8) {
+      uint2* q = reinterpret_cast<uint2*>(p);
+      StoreHinted<kHint>(q, make_uint2(raw.x, raw.y));
+      StoreHinted<kHint>(q + 1, make_uint2(raw.z, raw.w));
+    } else if (sizeof(Bits) == 4 || bytes == 4) {
+      unsigned* q = reinterpret_cast<unsigned*>(p);
+      StoreHinted<kHint>(q, raw.x);
+      StoreHinted<kHint>(q + 1, raw.y);
+      StoreHinted<kHint>(q + 2, raw.z);
+      StoreHinted<kHint>(q + 3, raw.w);
     } else {
-      *q = raw;
+      StorePartial<kHint>(p, raw, kVec);
     }
   }
 
-  static __device__ __forceinline__ Raw Zero() {
-    if constexpr (kVector) {
-      return make_uint4(0, 0, 0, 0);
-    } else {
-      return Bits{0};
+  // The first n elements of raw to p.
+  template <Hint kHint>
+  static __device__ __forceinline__ void StorePartial(Bits* p, const Raw& raw, int n) {
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      if (j >= n) break;
+      const Bits x = sizeof(Bits) == 4 ? static_cast<Bits>(words[j])
+                                       : static_cast<Bits>(words[j / 2] >> (16 * (j % 2)));
+      StoreHinted<kHint>(p + j, x);
     }
   }
+
+  static __device__ __forceinline__ Raw Zero() { return make_uint4(0, 0, 0, 0); }
 
   static __device__ __forceinline__ void Unpack(const Raw& raw, float (&out)[kVec]) {
-    if constexpr (!kVector) {
-      out[0] = Traits<T>::ToAcc(raw);
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+    if constexpr (sizeof(Bits) == 4) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) out[k] = Traits<T>::ToAcc(words[k]);
     } else {
-      const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-      if constexpr (sizeof(Bits) == 4) {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) out[k] = Traits<T>::ToAcc(words[k]);
-      } else {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          out[2 * k] = Traits<T>::ToAcc(static_cast<Bits>(words[k] & 0xFFFFu));
-          out[2 * k + 1] = Traits<T>::ToAcc(static_cast<Bits>(words[k] >> 16));
-        }
+      for (int k = 0; k < 4; ++k) {
+        out[2 * k] = Traits<T>::ToAcc(static_cast<Bits>(words[k] & 0xFFFFu));
+        out[2 * k + 1] = Traits<T>::ToAcc(static_cast<Bits>(words[k] >> 16));
       }
     }
   }
 
   static __device__ __forceinline__ Raw Pack(const float (&in)[kVec]) {
-    if constexpr (!kVector) {
-      return Traits<T>::FromAcc(in[0]);
+    uint32_t words[4];
+    if constexpr (sizeof(Bits) == 4) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) words[k] = Traits<T>::FromAcc(in[k]);
     } else {
-      uint32_t words[4];
-      if constexpr (sizeof(Bits) == 4) {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) words[k] = Traits<T>::FromAcc(in[k]);
-      } else {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          words[k] = static_cast<uint32_t>(Traits<T>::FromAcc(in[2 * k])) |
-                     (static_cast<uint32_t>(Traits<T>::FromAcc(in[2 * k + 1])) << 16);
-        }
+      for (int k = 0; k < 4; ++k) {
+        words[k] = static_cast<uint32_t>(Traits<T>::FromAcc(in[2 * k])) |
+                   (static_cast<uint32_t>(Traits<T>::FromAcc(in[2 * k + 1])) << 16);
       }
-      return make_uint4(words[0], words[1], words[2], words[3]);
     }
+    return make_uint4(words[0], words[1], words[2], words[3]);
   }
 };
 
@@ -200,6 +277,37 @@ __device__ __forceinline__ Acc WarpMax(Acc v) {
     v = Max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
   }
   return v;
+}
+
+// Sums the weight-gradient partial rows [rows, dim] (plan.h: one per chunk of
+// tokens) in plan.h's fixed order and writes, in the storage type T,
+//   grad_scaled = (scale_by ? scale_by : 1) * U    (dw = gamma * U; U without rmsnorm)
+//   grad_times  = times * U                        (dgamma = w * U)
+// each output only when non-null. Launch: blocks of (kReduceColumns,
+// kReduceRowLanes) threads, ceil(dim / kReduceColumns) of them.
+template <typename T>
+__global__ void __launch_bounds__(plan::kReduceColumns* plan::kReduceRowLanes)
+    ReduceRowsKernel(const typename Traits<T>::Acc* partials, int64_t rows, int64_t dim,
+                     const void* scale_by, const void* times, void* grad_scaled,
+                     void* grad_times) {
+  using Acc = typename Traits<T>::Acc;
+  __shared__ Acc lane_sums[plan::kReduceRowLanes][plan::kReduceColumns];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * plan::kReduceColumns + threadIdx.x;
+  Acc sum = 0;
+  if (col < dim) {
+    for (int64_t r = threadIdx.y; r < rows; r += plan::kReduceRowLanes) {
+      sum += partials[r * dim + col];
+    }
+  }
+  lane_sums[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y != 0 || col >= dim) return;
+  Acc u = lane_sums[0][threadIdx.x];
+  for (int y = 1; y < plan::kReduceRowLanes; ++y) u += lane_sums[y][threadIdx.x];
+  if (grad_scaled != nullptr) {
+    StoreAcc<T>(grad_scaled, col, scale_by != nullptr ? LoadAcc<T>(scale_by, col) * u : u);
+  }
+  if (grad_times != nullptr) StoreAcc<T>(grad_times, col, LoadAcc<T>(times, col) * u);
 }
 
 }  // namespace attnres::cuda

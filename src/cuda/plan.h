@@ -1,0 +1,163 @@
+// How the CUDA kernels of attnres cut up a call, in plain C++ (no CUDA headers),
+// so that every choice below is unit-tested on any machine
+// (tests/cpp/test_cuda_host.cc) and the GPU tests can assert what they cover:
+//   - the layout of a token's row over a token group of the fused kernels,
+//   - where the backward's per-token statistics live,
+//   - which tokens each partial row of the dw/dgamma reduction sums,
+//   - the size of a persistent grid.
+// Everything here is a function of the problem (dtype, D, L, num_tokens) and of
+// constants, except PersistentGridSize, whose device inputs decide how fast a
+// call runs, never what it computes.
+#ifndef ATTNRES_SRC_CUDA_PLAN_H_
+#define ATTNRES_SRC_CUDA_PLAN_H_
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+// The few functions that kernels call too (the work-item arithmetic) are
+// host-and-device under nvcc, so the tested code is the code that runs.
+#if defined(__CUDACC__)
+#define ATTNRES_PLAN_HD __host__ __device__ inline
+#else
+#define ATTNRES_PLAN_HD inline
+#endif
+
+namespace attnres::cuda::plan {
+
+constexpr int kWarpSize = 32;
+// The fused kernels put several token groups in one CTA when a token needs fewer
+// threads than this.
+constexpr int kTargetCtaThreads = 256;
+// Dynamic shared memory the backward uses without an opt-in: the 48 KiB every
+// device grants a CTA, less room for the kernels' static reduction slots.
+constexpr size_t kSharedStatsBudget = 46 * 1024;
+// Keeps every per-token index of the statistics (4 L + 3 W L floats) inside int.
+constexpr int64_t kMaxSources = int64_t{1} << 22;
+
+// One compiled fused kernel: chunks per thread, and the threads per CTA its
+// __launch_bounds__ allows (a compile-time constant: the layout never depends on
+// how a particular compiler or architecture allocated registers).
+struct KernelShape {
+  int chunks;
+  int max_threads;
+};
+
+// The fused kernels that exist, most chunks per thread first (the order in which
+// ChooseLayout tries them). block_attn_res.cu instantiates exactly these and
+// static_asserts its launch bounds against them. The backward keeps g, wg and U
+// in registers next to two rows in flight, so it stops at 2 chunks per thread.
+inline constexpr KernelShape kForwardShapes[] = {{4, 256}, {2, 512}, {1, 1024}};
+inline constexpr KernelShape kBackwardShapes[] = {{2, 512}, {1, 512}};
+
+// Elements per chunk: one 128-bit access of the storage type.
+constexpr int ChunkElements(int element_bytes) { return 16 / element_bytes; }
+
+// A token's row of `dim` elements cut into ceil(dim / vec) chunks of `vec`
+// elements (the last one partial when vec does not divide dim); chunk c belongs
+// to thread c % group_threads of the token's group, which owns `chunks` of them.
+struct Layout {
+  int chunks = 0;          // chunks per thread (a KernelShape's)
+  int group_threads = 0;   // G, a multiple of 32
+  int groups_per_cta = 0;  // tokens a CTA works on side by side
+  int64_t row_chunks = 0;  // ceil(dim / vec)
+};
+
+// Picks the shape that spreads a row over the fewest idle lanes: the first shape
+// (most chunks per thread) wasting at most 1/8 of its group's chunk slots wins,
+// else the least wasteful. False when the row is too wide for every shape.
+template <size_t N>
+bool ChooseLayout(int64_t dim, int vec, const KernelShape (&shapes)[N], Layout* layout) {
+  const int64_t row_chunks = (dim + vec - 1) / vec;
+  int64_t best_waste = INT64_MAX;
+  for (const KernelShape& shape : shapes) {
+    const int64_t threads = (row_chunks + shape.chunks - 1) / shape.chunks;
+    const int64_t group = (threads + kWarpSize - 1) / kWarpSize * kWarpSize;
+    if (group > shape.max_threads) continue;
+    const int64_t waste = group * shape.chunks - row_chunks;
+    if (waste >= best_waste) continue;
+    best_waste = waste;
+    layout->chunks = shape.chunks;
+    layout->group_threads = static_cast<int>(group);
+    layout->groups_per_cta = std::max(1, kTargetCtaThreads / layout->group_threads);
+    layout->row_chunks = row_chunks;
+    if (waste * 8 <= row_chunks) break;
+  }
+  return best_waste != INT64_MAX;
+}
+
+// Floats of per-token statistics the fused backward keeps for one group: ga, z,
+// r, alpha per source, plus the warps' partial sums (3 per source) when W > 1.
+inline int64_t BackwardStatsFloats(int64_t num_sources, int group_warps) {
+  return 4 * num_sources + (group_warps > 1 ? 3 * int64_t{group_warps} * num_sources : 0);
+}
+
+// The backward's statistics go to shared memory when one group's fit the
+// default budget (with fewer groups per CTA if need be); otherwise to a global
+// scratch, which costs 16 B per source and token against the 2 L D bytes the
+// token moves anyway. Changes layout->groups_per_cta.
+struct StatsPlacement {
+  bool shared = true;
+  size_t bytes_per_group = 0;
+  size_t dynamic_shared_bytes = 0;  // per CTA
+};
+inline StatsPlacement PlaceBackwardStats(int64_t num_sources, Layout* layout) {
+  StatsPlacement s;
+  s.bytes_per_group = static_cast<size_t>(
+      BackwardStatsFloats(num_sources, layout->group_threads / kWarpSize) * sizeof(float));
+  s.shared = s.bytes_per_group <= kSharedStatsBudget;
+  if (s.shared) {
+    layout->groups_per_cta = std::min<int>(
+        layout->groups_per_cta, static_cast<int>(kSharedStatsBudget / s.bytes_per_group));
+    s.dynamic_shared_bytes = layout->groups_per_cta * s.bytes_per_group;
+  }
+  return s;
+}
+
+// dw/dgamma. Tokens are cut into fixed chunks of kTokensPerRow; partial row r
+// of U = sum a_i v_i is the sum over chunk r's tokens [r C, r C + C), added in
+// token order by one thread per element, whichever CTA runs it; the reduction
+// then sums the rows in a fixed order. So the bits depend on the problem only,
+// never on the grid, the SM count, the GPU model or timing (docs/CUDA.md).
+// The size trades the scratch traffic (two fp32 rows of D per chunk, about
+// 4 / (C (2L + 1)) of the backward's bytes in bf16) against the tail of the
+// last wave of work items (fewer, bigger items).
+constexpr int64_t kTokensPerRow = 8;
+
+ATTNRES_PLAN_HD int64_t NumPartialRows(int64_t num_tokens) {
+  return (num_tokens + kTokensPerRow - 1) / kTokensPerRow;
+}
+
+// A backward work item of the fused kernels is groups_per_cta consecutive
+// chunks, one per group: group k of the CTA that takes item j handles chunk
+// j * groups_per_cta + k, tokens [FirstTokenOfChunk(chunk), + kTokensPerRow).
+// The generic kernels take one chunk per CTA (groups_per_cta = 1). Which CTA
+// takes which item is the grid's business and changes nothing else.
+ATTNRES_PLAN_HD int64_t NumWorkItems(int64_t num_tokens, int groups_per_cta) {
+  return (NumPartialRows(num_tokens) + groups_per_cta - 1) / groups_per_cta;
+}
+ATTNRES_PLAN_HD int64_t ChunkOfItem(int64_t item, int groups_per_cta, int group) {
+  return item * groups_per_cta + group;
+}
+ATTNRES_PLAN_HD int64_t FirstTokenOfChunk(int64_t chunk) { return chunk * kTokensPerRow; }
+
+// The fixed order of the final reduction (ReduceRowsKernel): row lane y in
+// [0, kReduceRowLanes) adds rows y, y + lanes, y + 2 lanes, ... in turn, then the
+// lane sums are added in lane order.
+constexpr int kReduceRowLanes = 8;
+constexpr int kReduceColumns = 32;
+
+// A persistent grid: as many CTAs as fit on the device at once (`per_sm` of
+// them on each of `num_sms`), at most `work`, at most `cap` when cap > 0 (the
+// ATTNRES_CUDA_MAX_CTAS test knob). At least 1.
+inline int64_t PersistentGridSize(int64_t work, int per_sm, int num_sms, int64_t cap) {
+  int64_t grid = std::min<int64_t>(work, int64_t{per_sm} * num_sms);
+  if (cap > 0) grid = std::min(grid, cap);
+  return std::max<int64_t>(grid, 1);
+}
+
+}  // namespace attnres::cuda::plan
+
+#undef ATTNRES_PLAN_HD
+
+#endif  // ATTNRES_SRC_CUDA_PLAN_H_
