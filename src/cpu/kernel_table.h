@@ -55,12 +55,12 @@ struct PhaseInfo {
 };
 
 // Bytes of scratch of one thread for the two-phase kernels: pointer tables
-// (4S + N), then in A: the S grad_out rows widened (phase 1 backward), the stats
+// (4S + 2N), then in A: the S grad_out rows widened (phase 1 backward), the stats
 // z, a, dz [S, N], r, b [N] and 2S dot products.
 inline int64_t PhaseScratchBytes(int64_t num_queries, int64_t num_blocks, int64_t padded_dim,
                                  int64_t accum_bytes) {
   const int64_t S = num_queries, N = num_blocks;
-  const int64_t pointers = (4 * S + N) * static_cast<int64_t>(sizeof(void*));
+  const int64_t pointers = (4 * S + 2 * N) * static_cast<int64_t>(sizeof(void*));
   return (pointers + 63) / 64 * 64 + (S * padded_dim + 3 * S * N + 2 * N + 2 * S) * accum_bytes;
 }
 // Rows of weight-gradient partial sums per chunk of the backward: phase 1 U_s

@@ -123,28 +123,35 @@ struct PhaseRow : Row<T> {
     }
   }
 
-  // dv = b v + sum_s (alpha[s] g_s + c[s] u_s) (+ dv when kAccumulate), one row.
+  // dv_i = b_i v_i + sum_s (alpha_{s,i} g_s + c_{s,i} u_s) (+ dv_i when kAccumulate)
+  // for the n rows i with a gradient (dv[i] non-null); alpha and c are [S, n].
+  // Element pairs outermost: the pair of every g_s and u_s is read from L1 for
+  // every row after the first (by rows, they came from L2 once per row).
   template <bool kAccumulate>
-  [[gnu::noinline]] static void SourceGrad(T* dv, const T* v, A b, const A* const* g,
-                                           const A* const* u, const A* alpha, const A* c,
-                                           int64_t count, int64_t stride, int64_t dim) {
-    const V vb = Splat(b);
+  [[gnu::noinline]] static void SourceGrads(T* const* dv, const T* const* v, const A* b,
+                                            const A* const* g, const A* const* u,
+                                            const A* alpha, const A* c, int64_t count, int64_t n,
+                                            int64_t dim) {
     for (int64_t d = 0; d < dim; d += kPair) {
-      V lo, hi;
-      R::Load2(v + d, dim - d, lo, hi);
-      V acc0 = vb * lo, acc1 = vb * hi;
-      for (int64_t s = 0; s < count; ++s) {
-        const V va = Splat(alpha[s * stride]), vc = Splat(c[s * stride]);
-        acc0 += va * LoadA(g[s] + d) + vc * LoadA(u[s] + d);
-        acc1 += va * LoadA(g[s] + d + kLanes) + vc * LoadA(u[s] + d + kLanes);
+      for (int64_t i = 0; i < n; ++i) {
+        if (dv[i] == nullptr) continue;
+        V lo, hi;
+        R::Load2(v[i] + d, dim - d, lo, hi);
+        const V vb = Splat(b[i]);
+        V acc0 = vb * lo, acc1 = vb * hi;
+        for (int64_t s = 0; s < count; ++s) {
+          const V va = Splat(alpha[s * n + i]), vc = Splat(c[s * n + i]);
+          acc0 += va * LoadA(g[s] + d) + vc * LoadA(u[s] + d);
+          acc1 += va * LoadA(g[s] + d + kLanes) + vc * LoadA(u[s] + d + kLanes);
+        }
+        if (kAccumulate) {
+          V old_lo, old_hi;
+          R::Load2(dv[i] + d, dim - d, old_lo, old_hi);
+          acc0 += old_lo;
+          acc1 += old_hi;
+        }
+        R::Store2(dv[i] + d, acc0, acc1, dim - d);
       }
-      if (kAccumulate) {
-        V old_lo, old_hi;
-        R::Load2(dv + d, dim - d, old_lo, old_hi);
-        acc0 += old_lo;
-        acc1 += old_hi;
-      }
-      R::Store2(dv + d, acc0, acc1, dim - d);
     }
   }
 };
@@ -162,6 +169,7 @@ struct PhaseScratch {
   const A** weights;  // [S]: per query, its N weights a_{s,i} (or c_{s,i})
   void** outs;        // [S]: output rows of T, or U_s rows of A
   const T** src;      // [N]: this token's block rows
+  T** dv;             // [N]: this token's block gradient rows (null: not wanted)
   A* g;               // [S, padded_dim]: the grad_out rows, widened
   A *z, *a, *dz;      // [S, N], query-major
   A *r, *b;           // [N]
@@ -174,7 +182,8 @@ struct PhaseScratch {
     weights = reinterpret_cast<const A**>(bytes + 2 * S * pointer);
     outs = reinterpret_cast<void**>(bytes + 3 * S * pointer);
     src = reinterpret_cast<const T**>(bytes + 4 * S * pointer);
-    const int64_t pointer_bytes = (4 * S + N) * pointer;
+    dv = reinterpret_cast<T**>(bytes + (4 * S + N) * pointer);
+    const int64_t pointer_bytes = (4 * S + 2 * N) * pointer;
     g = reinterpret_cast<A*>(bytes + (pointer_bytes + 63) / 64 * 64);
     z = g + S * padded;
     a = z + S * N;
@@ -278,11 +287,15 @@ void Phase1Backward(const PhaseInfo& info, void* scratch, void* partials, int64_
         dz[i] *= chain.a;  // c_{s,i}
       }
     }
-    for (int64_t i = 0; p.grad_blocks != nullptr && i < N; ++i) {
-      if (p.grad_blocks[i] == nullptr) continue;
-      T* dv = static_cast<T*>(p.grad_blocks[i]) + t * p.grad_source_row_stride;
-      const auto grad = p.accumulate_grads ? R::template SourceGrad<true> : R::template SourceGrad<false>;
-      grad(dv, ws.src[i], ws.b[i], ws.rows + S, ws.rows, ws.a + i, ws.dz + i, S, N, dim);
+    if (p.grad_blocks != nullptr) {
+      for (int64_t i = 0; i < N; ++i) {
+        ws.dv[i] = p.grad_blocks[i] != nullptr
+                       ? static_cast<T*>(p.grad_blocks[i]) + t * p.grad_source_row_stride
+                       : nullptr;
+      }
+      const auto grads = p.accumulate_grads ? R::template SourceGrads<true>
+                                            : R::template SourceGrads<false>;
+      grads(ws.dv, ws.src, ws.b, ws.rows + S, ws.rows, ws.a, ws.dz, S, N, dim);
     }
     if (partials != nullptr) R::template Mix<true>(ws.src, N, ws.weights, ws.outs, S, dim);
   }
