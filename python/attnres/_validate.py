@@ -234,3 +234,57 @@ def seed_backward(grad_h, blocks, proj_weight, alpha_cache, partial_block, rmsno
         raise error(function, "blocks + partial_block", f"at most {SEED_MAX_SOURCES} sources "
                     f"(the seed's limit L <= {SEED_MAX_SOURCES}; attnres.block_attn_res_fn has "
                     "none)", f"L = {num_sources}")
+
+
+# ---------------------------------------------------------------------------------
+# The two-phase ops (attnres.two_phase)
+# ---------------------------------------------------------------------------------
+
+def phase1(function: str, blocks: object, w: object, gamma: object, eps: float,
+           scale: float) -> Tuple[List[torch.Tensor], int, int]:
+    """Phase 1: blocks a non-empty list of [..., D] tensors of one dtype, device and
+    shape; w and gamma (or None) [S, D]. Returns (blocks, D, S)."""
+    if not isinstance(blocks, (list, tuple)) or not blocks:
+        actual = (_kind(blocks) if not isinstance(blocks, (list, tuple))
+                  else f"an empty {type(blocks).__name__}")
+        raise error(function, "blocks", "a non-empty list or tuple of tensors", actual)
+    first, _ = first_source(function, blocks, None)
+    dim = first.shape[-1]
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[-1] != dim or w.shape[0] < 1:
+        raise error(function, "w", f"a tensor [S, D] with D = {dim} (one row per query)",
+                    _kind(w))
+    for i, b in enumerate(blocks):
+        tensor(function, f"blocks[{i}]", b, first.shape, first.dtype, first.device,
+               "blocks[0]", "the shape of blocks[0]")
+    tensor(function, "w", w, None, first.dtype, first.device, "blocks[0]", "")
+    if gamma is not None:
+        tensor(function, "gamma", gamma, w.shape, first.dtype, first.device, "blocks[0]",
+               "the shape of w")
+    scalars(function, scale, eps)
+    return list(blocks), dim, w.shape[0]
+
+
+def phase2(function: str, out: object, lse: object, partial: object, w: object,
+           gamma: object, norm_weight: object, eps: float, scale: float,
+           norm_eps: float) -> None:
+    """Phase 2: out [..., D] (phase 1's output), lse [...] fp32 (fp64 for fp64), partial
+    (or None) like out, w, gamma and norm_weight (or None) [D]."""
+    if not isinstance(out, torch.Tensor) or out.dim() == 0:
+        raise error(function, "out", "a tensor [..., D] (phase 1's output)", _kind(out))
+    if out.dtype not in SUPPORTED_DTYPES:
+        raise error(function, "out", "a bfloat16, float16, float32 or float64 tensor",
+                    str(out.dtype))
+    dim = out.shape[-1]
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    tensor(function, "lse", lse, out.shape[:-1], acc, out.device, "out",
+           "the leading dimensions of out; fp32, fp64 for fp64 inputs")
+    if partial is not None:
+        tensor(function, "partial", partial, out.shape, out.dtype, out.device, "out",
+               "the shape of out")
+    tensor(function, "w", w, (dim,), out.dtype, out.device, "out", "D")
+    for name, t in (("gamma", gamma), ("norm_weight", norm_weight)):
+        if t is not None:
+            tensor(function, name, t, (dim,), out.dtype, out.device, "out", "D")
+    scalars(function, scale, eps)
+    if not (math.isfinite(norm_eps) and norm_eps >= 0):
+        raise error(function, "norm_eps", "finite and >= 0", str(norm_eps))

@@ -29,7 +29,6 @@ memory: the backward kernels recompute logits in the pass that reads the rows an
 from __future__ import annotations
 
 import ctypes
-import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -44,63 +43,6 @@ for _name in ("attnres_phase1_forward", "attnres_phase1_backward", "attnres_phas
               "attnres_phase2_backward"):
     getattr(_native._lib, _name).argtypes = [ctypes.c_char_p]
     getattr(_native._lib, _name).restype = ctypes.c_int
-
-
-# ---------------------------------------------------------------------------------
-# Validation (the one style of _validate: "<function>: <argument> must be ..., got ...")
-# ---------------------------------------------------------------------------------
-
-def _check_scalars(function: str, eps: float, scale: float) -> None:
-    _validate.scalars(function, scale, eps)
-
-
-def _check_phase1(function: str, blocks: object, w: object, gamma: object, eps: float,
-                  scale: float) -> Tuple[List[Tensor], int, int]:
-    """Blocks (a non-empty list of [..., D] tensors of one dtype, device and shape),
-    w and gamma [S, D]. Returns (blocks, D, S)."""
-    if not isinstance(blocks, (list, tuple)) or not blocks:
-        raise _validate.error(function, "blocks", "a non-empty list or tuple of tensors",
-                              _validate._kind(blocks) if not isinstance(blocks, (list, tuple))
-                              else f"an empty {type(blocks).__name__}")
-    first, _ = _validate.first_source(function, blocks, None)
-    dim = first.shape[-1]
-    if not isinstance(w, Tensor) or w.dim() != 2 or w.shape[-1] != dim or w.shape[0] < 1:
-        raise _validate.error(function, "w", f"a tensor [S, D] with D = {dim} (one row per "
-                              "query)", _validate._kind(w))
-    for i, b in enumerate(blocks):
-        _validate.tensor(function, f"blocks[{i}]", b, first.shape, first.dtype, first.device,
-                         "blocks[0]", "the shape of blocks[0]")
-    _validate.tensor(function, "w", w, None, first.dtype, first.device, "blocks[0]", "")
-    if gamma is not None:
-        _validate.tensor(function, "gamma", gamma, w.shape, first.dtype, first.device,
-                         "blocks[0]", "the shape of w")
-    _check_scalars(function, eps, scale)
-    return list(blocks), dim, w.shape[0]
-
-
-def _check_phase2(function: str, out: object, lse: object, partial: object, w: object,
-                  gamma: object, norm_weight: object, eps: float, scale: float,
-                  norm_eps: float) -> None:
-    if not isinstance(out, Tensor) or out.dim() == 0:
-        raise _validate.error(function, "out", "a tensor [..., D] (phase 1's output)",
-                              _validate._kind(out))
-    if out.dtype not in _validate.SUPPORTED_DTYPES:
-        raise _validate.error(function, "out", "a bfloat16, float16, float32 or float64 tensor",
-                              str(out.dtype))
-    dim = out.shape[-1]
-    acc = _native.accumulation_dtype(out.dtype)
-    _validate.tensor(function, "lse", lse, out.shape[:-1], acc, out.device, "out",
-                     "the leading dimensions of out; fp32, fp64 for fp64 inputs")
-    if partial is not None:
-        _validate.tensor(function, "partial", partial, out.shape, out.dtype, out.device, "out",
-                         "the shape of out")
-    _validate.tensor(function, "w", w, (dim,), out.dtype, out.device, "out", "D")
-    for name, t in (("gamma", gamma), ("norm_weight", norm_weight)):
-        if t is not None:
-            _validate.tensor(function, name, t, (dim,), out.dtype, out.device, "out", "D")
-    _check_scalars(function, eps, scale)
-    if not (math.isfinite(norm_eps) and norm_eps >= 0):
-        raise _validate.error(function, "norm_eps", "finite and >= 0", str(norm_eps))
 
 
 # ---------------------------------------------------------------------------------
@@ -135,7 +77,7 @@ def phase1_forward(blocks: Sequence[Tensor], w: Tensor, gamma: Optional[Tensor],
                    scale: float, rmsnorm: bool, function: str = _PHASE1
                    ) -> Tuple[List[Tensor], List[Tensor]]:
     """(outs, lses): S outputs [..., D] in the blocks' dtype, S LSEs [...] fp32/fp64."""
-    blocks, dim, num_queries = _check_phase1(function, blocks, w, gamma, eps, scale)
+    blocks, dim, num_queries = _validate.phase1(function, blocks, w, gamma, eps, scale)
     blocks, stride = _native._rows(blocks, dim)
     first = blocks[0]
     tokens = first.numel() // dim
@@ -163,7 +105,7 @@ def phase1_backward(grad_outs: Sequence[Optional[Tensor]], grad_lses: Sequence[O
                     need_w: bool = True, need_gamma: bool = True,
                     function: str = _PHASE1 + " (backward)"):
     """(grad_blocks: list of N (tensor or None), grad_w [S, D] or None, grad_gamma or None)."""
-    blocks, dim, num_queries = _check_phase1(function, blocks, w, gamma, eps, scale)
+    blocks, dim, num_queries = _validate.phase1(function, blocks, w, gamma, eps, scale)
     for name, grads in (("grad_outs", grad_outs), ("grad_lses", grad_lses)):
         if len(grads) != num_queries:
             raise _validate.error(function, name, f"a list of S = {num_queries} (one per query)",
@@ -218,7 +160,7 @@ def phase2_forward(out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Tenso
                    norm_weight: Optional[Tensor] = None, input_norm: bool = False,
                    norm_eps: float = 1e-6, function: str = _PHASE2) -> Tensor:
     """h (or RMSNorm(h) * norm_weight with input_norm), [..., D] in out's dtype."""
-    _check_phase2(function, out, lse, partial, w, gamma, norm_weight, eps, scale, norm_eps)
+    _validate.phase2(function, out, lse, partial, w, gamma, norm_weight, eps, scale, norm_eps)
     dim = out.shape[-1]
     tokens = out.numel() // dim
     out, partial, stride = _phase2_rows(out, partial)
@@ -245,7 +187,7 @@ def phase2_backward(grad: Tensor, out: Tensor, lse: Tensor, partial: Optional[Te
                     function: str = _PHASE2 + " (backward)"):
     """Gradients (out, lse, partial, w, gamma, norm_weight), None where not needed or
     not applicable."""
-    _check_phase2(function, out, lse, partial, w, gamma, norm_weight, eps, scale, norm_eps)
+    _validate.phase2(function, out, lse, partial, w, gamma, norm_weight, eps, scale, norm_eps)
     dim = out.shape[-1]
     tokens = out.numel() // dim
     grad = grad.to(out.dtype)
@@ -299,7 +241,7 @@ def _phase1(blocks: list[Tensor], w: Tensor, gamma: Optional[Tensor], eps: float
 
 @_phase1.register_fake
 def _phase1_fake(blocks, w, gamma, eps, scale, rmsnorm):
-    blocks, _, num_queries = _check_phase1(_PHASE1, blocks, w, gamma, eps, scale)
+    blocks, _, num_queries = _validate.phase1(_PHASE1, blocks, w, gamma, eps, scale)
     first = blocks[0]
     acc = _native.accumulation_dtype(first.dtype)
     return ([first.new_empty(first.shape) for _ in range(num_queries)]
@@ -369,7 +311,7 @@ def _phase2(out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Tensor,
 @_phase2.register_fake
 def _phase2_fake(out, lse, partial, w, gamma, norm_weight, eps, scale, rmsnorm, input_norm,
                  norm_eps):
-    _check_phase2(_PHASE2, out, lse, partial, w, gamma, norm_weight, eps, scale, norm_eps)
+    _validate.phase2(_PHASE2, out, lse, partial, w, gamma, norm_weight, eps, scale, norm_eps)
     return out.new_empty(out.shape)
 
 
@@ -435,7 +377,7 @@ def block_attn_res_phase1(blocks: Sequence[Tensor], w: Tensor, gamma: Optional[T
     if not isinstance(blocks, (list, tuple)):
         raise _validate.error(_PHASE1, "blocks", "a list or tuple of tensors",
                               _validate._kind(blocks))
-    _check_phase1(_PHASE1, blocks, w, gamma, eps, scale)
+    _validate.phase1(_PHASE1, blocks, w, gamma, eps, scale)
     result = torch.ops.attnres.phase1(list(blocks), w, gamma if rmsnorm else None, float(eps),
                                       float(scale), bool(rmsnorm))
     num_queries = w.shape[0]
