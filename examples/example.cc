@@ -1,4 +1,7 @@
-// Block AttnRes from C++: forward and backward with the thin C++ layer.
+// Block AttnRes from C++: forward and backward with the thin C++ layer, then the
+// two-phase schedule, which gives the same h as the single op.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <vector>
 
@@ -26,6 +29,34 @@ int main() {
   g.gamma = grad_gamma.data();
   attnres::Backward(in, grad_out.data(), g);
   std::printf("h[0] = %.4f, dw[0] = %.4f\n", out[0], grad_w[0]);
+
+  // Two phases: phase 1 mixes the 3 blocks for 2 queries (the 2 sub-layers of a
+  // block) at once; phase 2 merges query 1's result with the partial block.
+  std::vector<float> w2(2 * dim, 0.05f), partial(tokens * dim, 0.5f);
+  attnres::Inputs<float> p1 = in;
+  p1.num_queries = 2;
+  p1.proj_weight = w2.data();
+  std::vector<std::vector<float>> o(2, std::vector<float>(tokens * dim));
+  std::vector<std::vector<float>> lse(2, std::vector<float>(tokens));
+  attnres::Phase1Forward<float>(p1, {o[0].data(), o[1].data()}, {lse[0].data(), lse[1].data()});
+  attnres::Phase2Inputs<float> p2;
+  p2.in = in;
+  p2.in.blocks.clear();
+  p2.in.partial = partial.data();
+  p2.in.proj_weight = w2.data() + dim;
+  p2.query_out = o[1].data();
+  p2.query_lse = lse[1].data();
+  std::vector<float> h_two_phase(tokens * dim), h_single(tokens * dim);
+  attnres::Phase2Forward(p2, h_two_phase.data());
+  attnres::Inputs<float> single = in;
+  single.partial = partial.data();
+  single.proj_weight = w2.data() + dim;
+  attnres::Forward(single, h_single.data());
+  float max_diff = 0;
+  for (int64_t k = 0; k < tokens * dim; ++k) {
+    max_diff = std::max(max_diff, std::fabs(h_two_phase[k] - h_single[k]));
+  }
+  std::printf("two phases vs the single op: max |difference| = %.2g\n", max_diff);
 
   try {
     in.eps = -1;
