@@ -13,6 +13,11 @@ Effective bandwidth = minimal bytes / time, reported as a fraction of the
 device's streaming bandwidth measured in the same run: a read-only stream for
 the forward, a device-to-device copy (read + write) for the backward.
 
+Also per shape: the backward without dw/dgamma (what the weight gradients' fixed
+per-chunk partial rows and their reduction cost), and the host time of one call
+(argument checks, including one cudaPointerGetAttributes per pointer, and the
+launches), measured without synchronising.
+
 Prints one JSON document on stdout; progress goes to stderr.
 """
 import argparse
@@ -33,6 +38,7 @@ DTYPES = {"bf16": (torch.bfloat16, 2), "f16": (torch.float16, 3), "f32": (torch.
 # run with PYTHONPATH=python (scripts/gpu_check.sh does) so that no installed
 # package is needed. _native loads the library named by ATTNRES_LIBRARY.
 Params = None  # bound in main() once --lib is known
+ABI_VERSION = None
 
 
 class Native:
@@ -46,8 +52,8 @@ class Native:
         self.lib.attnres_cuda_available.restype = ctypes.c_int
         probe = Params()
         self.lib.attnres_params_init(ctypes.byref(probe))
-        if probe.abi_version != 1:
-            raise RuntimeError(f"libattnres ABI {probe.abi_version}, bench_cuda.py expects 1")
+        if probe.abi_version != ABI_VERSION:
+            raise RuntimeError(f"libattnres ABI {probe.abi_version}, the Python mirror is ABI {ABI_VERSION}")
 
     def params(self, blocks, partial, w, gamma, dtype_code):
         p = Params()
@@ -117,6 +123,20 @@ def time_cuda(fn, min_iters=3, min_seconds=0.15, max_iters=50):
     return times[len(times) // 2]
 
 
+def host_us(fn, calls=50):
+    """Median host microseconds of one enqueueing call (no synchronisation inside)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e6)
+    torch.cuda.synchronize()
+    times.sort()
+    return times[len(times) // 2]
+
+
 def stream_bandwidth(num_bytes=4 << 30):
     """Bytes/s of a read-only pass (sum) and of a DtoD copy (read + write)."""
     n = num_bytes // 2
@@ -143,9 +163,10 @@ def main():
     args = ap.parse_args()
 
     t0 = time.perf_counter()
-    global Params
+    global Params, ABI_VERSION
     os.environ["ATTNRES_LIBRARY"] = args.lib
-    from attnres._native import _Params as Params  # noqa: E402 (needs ATTNRES_LIBRARY)
+    # Importing _native also checks its mirror of attnres_params against the library.
+    from attnres._native import _Params as Params, _ABI_VERSION as ABI_VERSION  # noqa: E402
     native = Native(args.lib)
     if not native.lib.attnres_cuda_available():
         print(json.dumps({"error": "attnres_cuda_available() == 0"}))
@@ -214,6 +235,11 @@ def main():
                 row["attnres_bwd_ms"] = ms
                 row["attnres_bwd_GBps"] = bwd_bytes / ms / 1e6
                 row["attnres_bwd_frac_of_copy_bw"] = row["attnres_bwd_GBps"] / bw["copy_GBps"]
+                # The same backward without dw/dgamma: no partial rows, no reduction.
+                q.grad_proj_weight, q.grad_gamma = None, None
+                row["attnres_bwd_no_weight_grads_ms"] = time_cuda(bwd)
+                q.grad_proj_weight, q.grad_gamma = dw.data_ptr(), dgamma.data_ptr()
+                row["host_us_per_call"] = {"fwd": host_us(fwd), "bwd": host_us(bwd)}
 
                 # Sanity: attnres agrees with the baseline on a slice of tokens.
                 with torch.no_grad():

@@ -1,83 +1,144 @@
 #!/usr/bin/env bash
-# One-shot check of the CUDA backend on a GPU machine (H200 class, CUDA toolkit,
-# no network): Release build with CUDA, the GPU GoogleTests, then the benchmark
-# against PyTorch eager / torch.compile / Liger (bench/bench_cuda.py).
-# Prints one JSON document and writes it to ${OUT:-$BUILD_DIR}/gpu_check.json.
-# Designed to finish in under 8 minutes; every stage is time-boxed.
+# One-shot check of the CUDA backend on a GPU machine: a Release build for the
+# GPU's own architecture, every CUDA GoogleTest, a short case list under
+# compute-sanitizer (memcheck, racecheck, synccheck), then the benchmark against
+# PyTorch eager / torch.compile / Liger (bench/bench_cuda.py).
+# Prints one JSON document, writes it to ${OUT:-$BUILD_DIR}/gpu_check.json with
+# the logs next to it, and exits 1 unless every stage passed. Every stage is
+# time-boxed; with the defaults the whole run stays under 9 minutes.
 #
+# Usage: scripts/gpu_check.sh [--prebuilt DIR] [--build-only] [--no-bench]
+#   --prebuilt DIR   skip the build: DIR holds attnres_tests and libattnres.so*
+#                    built elsewhere (e.g. `--build-only` with CUDA_ARCHS=90 on a
+#                    machine without a GPU, then carried over)
+#   --build-only     configure and build, nothing else (no GPU needed)
+#   --no-bench       stop after the tests and the sanitizer
 # Environment knobs:
 #   BUILD_DIR        build directory (default build-gpu-check)
-#   CUDA_ARCHS       architectures to compile (default 90: H100/H200 only, to
-#                    halve nvcc time; the library's default is "80;90")
-#   BENCH_BUDGET_S   seconds after which bench baselines are skipped (240)
+#   CUDA_ARCHS       architectures to compile; default: the compute capability
+#                    nvidia-smi reports (e.g. 90), else "native"
+#   SANITIZE         0 skips compute-sanitizer (reported as skipped, not passed)
+#   TEST_TIMEOUT_S   seconds for the GoogleTests (240)
+#   BENCH_BUDGET_S   seconds after which bench baselines are skipped (150)
 #   BENCH_ARGS       extra arguments for bench/bench_cuda.py
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PREBUILT="" BUILD_ONLY=0 RUN_BENCH=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --prebuilt) PREBUILT="$(cd "$2" && pwd)"; shift 2 ;;
+    --build-only) BUILD_ONLY=1; shift ;;
+    --no-bench) RUN_BENCH=0; shift ;;
+    *) echo "usage: $0 [--prebuilt DIR] [--build-only] [--no-bench]" >&2; exit 2 ;;
+  esac
+done
 BUILD_DIR="${BUILD_DIR:-$ROOT/build-gpu-check}"
+[ -n "$PREBUILT" ] && BUILD_DIR="$PREBUILT"
 OUT_DIR="${OUT:-$BUILD_DIR}"
-CUDA_ARCHS="${CUDA_ARCHS:-90}"
-BENCH_BUDGET_S="${BENCH_BUDGET_S:-240}"
 LOG_DIR="$OUT_DIR/gpu_check_logs"
 mkdir -p "$LOG_DIR"
 START=$(date +%s)
 
-if ! command -v nvcc >/dev/null 2>&1; then
-  for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do
-    [ -x "$d/nvcc" ] && export PATH="$d:$PATH" && break
-  done
-fi
+for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do
+  [ -d "$d" ] && case ":$PATH:" in *":$d:"*) ;; *) export PATH="$PATH:$d" ;; esac
+done
 
-stage_status() { [ "$1" -eq 0 ] && echo ok || echo "failed (exit $1)"; }
+# --- 0. What the machine has ----------------------------------------------------
+GPU_LIST="$(nvidia-smi -L 2>&1)" || { SMI_ERROR="$GPU_LIST"; GPU_LIST=""; }
+GPU_COUNT=$(printf '%s\n' "$GPU_LIST" | grep -c '^GPU ' || true)
+# "9.0" -> "90", one entry per distinct GPU model.
+DETECTED_ARCHS="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null |
+  tr -d ' .' | grep -E '^[0-9]+$' | sort -u | paste -sd ';' -)"
+CUDA_ARCHS="${CUDA_ARCHS:-${DETECTED_ARCHS:-native}}"
+nvidia-smi >"$LOG_DIR/nvidia-smi.log" 2>&1 || true
+{ nvcc --version; command -v compute-sanitizer; } >"$LOG_DIR/toolkit.log" 2>&1 || true
 
-# --- 1. Configure + build -----------------------------------------------------
-configure() {
-  cmake -S "$ROOT" -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DATTNRES_CUDA=ON \
-    -DATTNRES_CUDA_ARCHITECTURES="$CUDA_ARCHS" -DATTNRES_BUILD_TOOLS=OFF "$@" \
-    >"$LOG_DIR/configure.log" 2>&1
-}
-TESTS_BUILT=1
-configure -DATTNRES_BUILD_TESTS=ON
-CONFIGURE_RC=$?
-if [ $CONFIGURE_RC -ne 0 ]; then
-  # Most likely GoogleTest is missing on this machine: build the library alone.
-  TESTS_BUILT=0
-  configure -DATTNRES_BUILD_TESTS=OFF
+# --- 1. Configure + build -------------------------------------------------------
+CONFIGURE_RC=-1 BUILD_RC=-1 TESTS_BUILT=0 CUDA_IN_BUILD=0
+if [ -z "$PREBUILT" ]; then
+  GENERATOR=()
+  command -v ninja >/dev/null 2>&1 && GENERATOR=(-G Ninja)
+  configure() {
+    cmake -S "$ROOT" -B "$BUILD_DIR" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release -DATTNRES_CUDA=ON \
+      -DATTNRES_CUDA_ARCHITECTURES="$CUDA_ARCHS" -DATTNRES_BUILD_TOOLS=OFF "$@" \
+      >"$LOG_DIR/configure.log" 2>&1
+  }
+  TESTS_BUILT=1
+  configure -DATTNRES_BUILD_TESTS=ON
   CONFIGURE_RC=$?
+  if [ $CONFIGURE_RC -ne 0 ]; then
+    # Most likely GoogleTest is missing on this machine: build the library alone.
+    TESTS_BUILT=0
+    configure -DATTNRES_BUILD_TESTS=OFF
+    CONFIGURE_RC=$?
+  fi
+  # cmake/cuda.cmake prints this line when the CUDA backend is part of the build.
+  if grep -q "attnres: CUDA backend on" "$LOG_DIR/configure.log"; then CUDA_IN_BUILD=1; fi
+  if [ $CONFIGURE_RC -eq 0 ]; then
+    timeout 420 cmake --build "$BUILD_DIR" -j"$(nproc)" >"$LOG_DIR/build.log" 2>&1
+    BUILD_RC=$?
+  fi
+else
+  CONFIGURE_RC=0 BUILD_RC=0
+  [ -x "$BUILD_DIR/attnres_tests" ] && TESTS_BUILT=1
+  # A string only the CUDA backend's code contains (src/cuda/runtime.cu).
+  if grep -qa "ATTNRES_CUDA_MAX_CTAS" "$BUILD_DIR"/libattnres.so* 2>/dev/null; then CUDA_IN_BUILD=1; fi
 fi
-BUILD_RC=1
-if [ $CONFIGURE_RC -eq 0 ]; then
-  timeout 300 cmake --build "$BUILD_DIR" -j"$(nproc)" >"$LOG_DIR/build.log" 2>&1
-  BUILD_RC=$?
-fi
-CUDA_IN_BUILD=$(grep -c "ATTNRES_WITH_CUDA" "$BUILD_DIR/CMakeFiles/attnres.dir/flags.make" 2>/dev/null || echo 0)
+export LD_LIBRARY_PATH="$BUILD_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
-# --- 2. GPU GoogleTests -------------------------------------------------------
+# --- 2. GPU GoogleTests ----------------------------------------------------------
 TEST_RC=-1
-if [ $BUILD_RC -eq 0 ] && [ $TESTS_BUILT -eq 1 ]; then
-  timeout 180 "$BUILD_DIR/attnres_tests" --gtest_filter='CudaBackend*' \
-    --gtest_output="json:$LOG_DIR/gtest_cuda.json" >"$LOG_DIR/gtest_cuda.log" 2>&1
+GPU_TESTS=0
+[ "$BUILD_ONLY" -eq 0 ] && [ "$GPU_COUNT" -gt 0 ] && GPU_TESTS=1
+if [ "$BUILD_ONLY" -eq 0 ] && [ $BUILD_RC -eq 0 ] && [ $TESTS_BUILT -eq 1 ]; then
+  # With a GPU listed, "no device" is a failure (CudaBackend.DeviceIsPresentWhenExpected).
+  ATTNRES_EXPECT_CUDA=$GPU_TESTS timeout "${TEST_TIMEOUT_S:-240}" "$BUILD_DIR/attnres_tests" \
+    --gtest_filter='Cuda*' --gtest_output="json:$LOG_DIR/gtest_cuda.json" \
+    >"$LOG_DIR/gtest_cuda.log" 2>&1
   TEST_RC=$?
 fi
 
-# --- 3. Benchmark -------------------------------------------------------------
+# --- 3. compute-sanitizer on the short case list --------------------------------
+SANITIZER_RESULTS=""
+if [ "$BUILD_ONLY" -eq 0 ] && [ "$GPU_TESTS" -eq 1 ] && [ $BUILD_RC -eq 0 ] && [ $TESTS_BUILT -eq 1 ]; then
+  if [ "${SANITIZE:-1}" = "0" ]; then
+    SANITIZER_RESULTS="all=skipped-by-request"
+  elif ! command -v compute-sanitizer >/dev/null 2>&1; then
+    SANITIZER_RESULTS="all=unavailable"
+  else
+    for tool in memcheck racecheck synccheck; do
+      timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 86 --print-limit 20 \
+        "$BUILD_DIR/attnres_tests" --gtest_filter='CudaBackend.SanitizerCases' \
+        >"$LOG_DIR/sanitizer_$tool.log" 2>&1
+      SANITIZER_RESULTS="$SANITIZER_RESULTS $tool=$?"
+    done
+  fi
+fi
+
+# --- 4. Benchmark -------------------------------------------------------------
 BENCH_RC=-1
 LIB="$(ls "$BUILD_DIR"/libattnres.so 2>/dev/null | head -n1)"
-if [ $BUILD_RC -eq 0 ] && [ -n "$LIB" ]; then
+if [ "$BUILD_ONLY" -eq 0 ] && [ "$RUN_BENCH" -eq 1 ] && [ "$GPU_TESTS" -eq 1 ] && [ $BUILD_RC -eq 0 ] && [ -n "$LIB" ]; then
   # shellcheck disable=SC2086
-  PYTHONPATH="$ROOT/python" timeout 330 python3 "$ROOT/bench/bench_cuda.py" --lib "$LIB" --budget-s "$BENCH_BUDGET_S" \
-    ${BENCH_ARGS:-} >"$LOG_DIR/bench.json" 2>"$LOG_DIR/bench.log"
+  PYTHONPATH="$ROOT/python" timeout $(( ${BENCH_BUDGET_S:-150} + 90 )) python3 "$ROOT/bench/bench_cuda.py" \
+    --lib "$LIB" --budget-s "${BENCH_BUDGET_S:-150}" ${BENCH_ARGS:-} \
+    >"$LOG_DIR/bench.json" 2>"$LOG_DIR/bench.log"
   BENCH_RC=$?
 fi
 
 # --- Report -------------------------------------------------------------------
-export GC_CONFIGURE="$(stage_status $CONFIGURE_RC)" GC_BUILD="$(stage_status $BUILD_RC)"
-export GC_TESTS_BUILT=$TESTS_BUILT GC_TEST_RC=$TEST_RC GC_BENCH_RC=$BENCH_RC
-export GC_LOG_DIR="$LOG_DIR" GC_WALL=$(( $(date +%s) - START )) GC_CUDA_IN_BUILD="$CUDA_IN_BUILD"
+export GC_CONFIGURE_RC=$CONFIGURE_RC GC_BUILD_RC=$BUILD_RC GC_TESTS_BUILT=$TESTS_BUILT
+export GC_TEST_RC=$TEST_RC GC_BENCH_RC=$BENCH_RC GC_LOG_DIR="$LOG_DIR"
+export GC_WALL=$(( $(date +%s) - START )) GC_CUDA_IN_BUILD=$CUDA_IN_BUILD
+export GC_GPU_COUNT=$GPU_COUNT GC_GPU_LIST="$GPU_LIST" GC_SMI_ERROR="${SMI_ERROR:-}" GC_ARCHS="$CUDA_ARCHS"
+export GC_DETECTED_ARCHS="$DETECTED_ARCHS" GC_SANITIZER="$SANITIZER_RESULTS"
+export GC_BUILD_ONLY=$BUILD_ONLY GC_RUN_BENCH=$RUN_BENCH GC_PREBUILT="$PREBUILT"
 python3 - "$OUT_DIR/gpu_check.json" <<'EOF'
-import json, os, subprocess, sys
+import json, os, re, sys
 
-log = os.environ["GC_LOG_DIR"]
+env = os.environ
+log = env["GC_LOG_DIR"]
 
 def read_json(name):
     try:
@@ -86,46 +147,110 @@ def read_json(name):
     except Exception as e:  # noqa: BLE001
         return {"unavailable": str(e)}
 
-def tail(name, n=40):
+def read_lines(name):
     try:
-        with open(os.path.join(log, name)) as f:
-            return f.read().splitlines()[-n:]
+        with open(os.path.join(log, name), errors="replace") as f:
+            return f.read().splitlines()
     except OSError:
         return []
 
-def smi():
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
-                               "--format=csv,noheader"], capture_output=True, text=True,
-                              timeout=20).stdout.strip()
-    except Exception as e:  # noqa: BLE001
-        return str(e)
+def tail(name, n=40):
+    return read_lines(name)[-n:]
 
-gtest = read_json("gtest_cuda.json")
+rc = lambda name: int(env[name])
+gpu_count = int(env["GC_GPU_COUNT"])
+build_only = env["GC_BUILD_ONLY"] == "1"
+failures = []
+
+if rc("GC_CONFIGURE_RC") != 0:
+    failures.append(f"configure failed (exit {rc('GC_CONFIGURE_RC')})")
+if rc("GC_BUILD_RC") != 0:
+    failures.append(f"build failed (exit {rc('GC_BUILD_RC')}; 124: timed out)")
+if env["GC_CUDA_IN_BUILD"] != "1":
+    failures.append("the CUDA backend is not part of the build (nvcc not found, or ATTNRES_CUDA off)")
+if not build_only and gpu_count > 0 and env["GC_TESTS_BUILT"] != "1":
+    failures.append("a GPU is listed but the GoogleTests were not built (GoogleTest missing?)")
+
+# Each test: passed / failed / skipped, with the skip reason (which carries the
+# CUDA runtime's own error when the device was not usable).
 tests = {}
-if "testsuites" in gtest:
-    for suite in gtest["testsuites"]:
-        for t in suite.get("testsuite", []):
-            failed = bool(t.get("failures"))
-            skipped = t.get("result") == "SKIPPED"
-            tests[t["name"]] = "failed" if failed else "skipped" if skipped else "passed"
+gtest = read_json("gtest_cuda.json")
+for suite in gtest.get("testsuites", []):
+    for t in suite.get("testsuite", []):
+        name = f"{suite['name']}.{t['name']}"
+        if t.get("failures"):
+            tests[name] = "failed"
+        elif t.get("result") == "SKIPPED":
+            tests[name] = "skipped"
+        else:
+            tests[name] = "passed"
+# The reason gtest prints after "<file>:<line>: Skipped", per test: for "no CUDA
+# device" it carries the CUDA runtime's own error.
+skip_reasons, current = {}, None
+lines = read_lines("gtest_cuda.log")
+for i, line in enumerate(lines):
+    m = re.match(r"\[ RUN      \] (\S+)", line)
+    if m:
+        current = m.group(1)
+    elif line.rstrip().endswith(": Skipped") and i + 1 < len(lines) and current:
+        skip_reasons[current] = lines[i + 1].strip()
+skipped_because = {}  # reason -> tests, for the report
+for name, reason in skip_reasons.items():
+    skipped_because.setdefault(reason, []).append(name)
+# Skipping is expected of this one test only, and only where a device is present.
+expected_skips = {"CudaBackend.UnavailableDeviceIsReported"}
+if not build_only and gpu_count > 0 and env["GC_TESTS_BUILT"] == "1":
+    if not tests:
+        failures.append(f"the GoogleTests did not report (exit {rc('GC_TEST_RC')}; 124: timed out)")
+    failed = sorted(n for n, s in tests.items() if s == "failed")
+    skipped = sorted(n for n, s in tests.items() if s == "skipped" and n not in expected_skips)
+    if failed:
+        failures.append(f"{len(failed)} CUDA test(s) failed: {', '.join(failed)}")
+    if skipped:
+        failures.append(f"{len(skipped)} CUDA test(s) skipped although a GPU is listed: "
+                        f"{', '.join(skipped)}; first reason: {skip_reasons.get(skipped[0], '?')}")
+    if rc("GC_TEST_RC") not in (0,) and not failed:
+        failures.append(f"attnres_tests exited {rc('GC_TEST_RC')} (124: timed out, 134/139: crashed)")
+
+sanitizer = dict(item.split("=", 1) for item in env["GC_SANITIZER"].split())
+for tool, result in sanitizer.items():
+    if result == "skipped-by-request":
+        continue
+    if result == "unavailable":
+        failures.append("compute-sanitizer not found (set SANITIZE=0 to skip it knowingly)")
+    elif result != "0":
+        failures.append(f"compute-sanitizer --tool {tool} exited {result} (86: reported errors; "
+                        f"124: timed out): see sanitizer_{tool}.log")
+if not build_only and gpu_count > 0 and env["GC_RUN_BENCH"] == "1" and rc("GC_BENCH_RC") != 0:
+    failures.append(f"bench_cuda.py exited {rc('GC_BENCH_RC')}")
+
 report = {
-    "gpu": smi(),
-    "wall_s": int(os.environ["GC_WALL"]),
-    "configure": os.environ["GC_CONFIGURE"],
-    "build": os.environ["GC_BUILD"],
-    "cuda_backend_compiled": os.environ["GC_CUDA_IN_BUILD"] not in ("", "0"),
-    "tests_built": os.environ["GC_TESTS_BUILT"] == "1",
-    "gtest_exit": int(os.environ["GC_TEST_RC"]),
+    "ok": not failures,
+    "failures": failures,
+    "gpus": env["GC_GPU_LIST"].splitlines(),
+    "nvidia_smi_error": env["GC_SMI_ERROR"] or None,
+    "architectures_built": env["GC_ARCHS"],
+    "architectures_detected": env["GC_DETECTED_ARCHS"],
+    "prebuilt": env["GC_PREBUILT"] or None,
+    "wall_s": int(env["GC_WALL"]),
+    "cuda_backend_compiled": env["GC_CUDA_IN_BUILD"] == "1",
+    "tests_built": env["GC_TESTS_BUILT"] == "1",
+    "gtest_exit": rc("GC_TEST_RC"),
     "gtests": tests,
-    "gtest_log_tail": tail("gtest_cuda.log", 60) if os.environ["GC_TEST_RC"] not in ("0",) else [],
-    "bench_exit": int(os.environ["GC_BENCH_RC"]),
-    "bench": read_json("bench.json"),
-    "bench_log_tail": tail("bench.log", 20),
-    "build_log_tail": tail("build.log", 30) if os.environ["GC_BUILD"] != "ok" else [],
+    "skipped_because": skipped_because,
+    "gtest_log_tail": tail("gtest_cuda.log", 80) if rc("GC_TEST_RC") != 0 else [],
+    "sanitizer": sanitizer,
+    "sanitizer_log_tails": {t: tail(f"sanitizer_{t}.log", 30) for t, r in sanitizer.items()
+                            if r not in ("0", "skipped-by-request", "unavailable")},
+    "bench_exit": rc("GC_BENCH_RC"),
+    "bench": read_json("bench.json") if rc("GC_BENCH_RC") != -1 else None,
+    "bench_log_tail": tail("bench.log", 20) if rc("GC_BENCH_RC") not in (-1, 0) else [],
+    "configure_log_tail": tail("configure.log", 30) if rc("GC_CONFIGURE_RC") != 0 else [],
+    "build_log_tail": tail("build.log", 40) if rc("GC_BUILD_RC") != 0 else [],
 }
 text = json.dumps(report, indent=2)
 print(text)
 with open(sys.argv[1], "w") as f:
     f.write(text + "\n")
+sys.exit(0 if report["ok"] else 1)
 EOF
