@@ -1,0 +1,1400 @@
+// The two-phase schedule through the C ABI (attnres_phase1_* / attnres_phase2_*),
+// held to SPEC §5 and §3 against the float64 reference in src/ref/two_phase_reference.h:
+// every dtype, odd dims, padded row strides (padding of inputs is NaN, padding of
+// outputs must stay untouched), determinism across thread counts and CPU variants,
+// accumulate_grads, and every validation rule of the header (status, a message that
+// names the argument, nothing written).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "attnres/attnres.h"
+#include "ref/reference.h"
+#include "ref/two_phase_reference.h"
+#include "test_util.h"
+
+namespace attnres_test {
+namespace {
+
+using attnres::ref::Phase1Problem;
+using attnres::ref::Phase2Problem;
+using Vec = std::vector<double>;
+using Vecs = std::vector<std::vector<double>>;
+
+// ---------------------------------------------------------------------------
+// Random values, representable in the dtype they will be stored in.
+
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : gen_(seed) {}
+  Vec Normal(size_t n, double mean, double sd, attnres_dtype dtype) {
+    std::normal_distribution<double> dist(mean, sd);
+    Vec v(n);
+    for (double& x : v) x = RoundToDType(dist(gen_), dtype);
+    return v;
+  }
+  double Uniform(double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(gen_); }
+
+ private:
+  std::mt19937_64 gen_;
+};
+
+// A [rows, dim] tensor with row stride `stride` in its own Buffer. Inputs are
+// created with NaN padding (stray reads poison results), outputs with the sentinel.
+class Rows {
+ public:
+  Rows() = default;
+  Rows(attnres_dtype dtype, int64_t rows, int64_t dim, int64_t stride, uint8_t fill)
+      : rows_(rows), dim_(dim), stride_(stride),
+        buf_(dtype, StridedCount(rows, dim, stride), fill) {}
+
+  void Write(const Vec& v) {
+    for (int64_t t = 0; t < rows_; ++t)
+      for (int64_t d = 0; d < dim_; ++d) buf_.Set(t * stride_ + d, v[t * dim_ + d]);
+  }
+  Vec Read() const {
+    Vec v(rows_ * dim_);
+    for (int64_t t = 0; t < rows_; ++t)
+      for (int64_t d = 0; d < dim_; ++d) v[t * dim_ + d] = buf_.Get(t * stride_ + d);
+    return v;
+  }
+  // The padding between rows and the guard still hold `pattern`.
+  bool OutsideIs(uint8_t pattern) const {
+    for (int64_t t = 0; t + 1 < rows_; ++t) {
+      if (!buf_.BytesAre(t * stride_ + dim_, stride_ - dim_, pattern)) return false;
+    }
+    return buf_.GuardIntact(pattern);
+  }
+  void Fill(uint8_t pattern) { buf_.Fill(pattern); }
+  void* data() { return buf_.data(); }
+  const void* data() const { return buf_.data(); }
+  const Buffer& buffer() const { return buf_; }
+
+ private:
+  int64_t rows_ = 0, dim_ = 0, stride_ = 0;
+  Buffer buf_;
+};
+
+Buffer Dense(attnres_dtype dtype, const Vec& v) {
+  Buffer b(dtype, v.size(), kInputPadding);
+  for (size_t i = 0; i < v.size(); ++i) b.Set(i, v[i]);
+  return b;
+}
+
+Vec ReadDense(const Buffer& b) {
+  Vec v(b.count());
+  for (size_t i = 0; i < v.size(); ++i) v[i] = b.Get(i);
+  return v;
+}
+
+std::vector<unsigned char> Bytes(const Buffer& b) {
+  return std::vector<unsigned char>(b.bytes(), b.bytes() + b.total_bytes());
+}
+
+Vec Add(const Vec& a, const Vec& b) {
+  Vec r(a.size());
+  for (size_t i = 0; i < a.size(); ++i) r[i] = a[i] + b[i];
+  return r;
+}
+
+class ThreadsAndIsaGuard {
+ public:
+  ~ThreadsAndIsaGuard() {
+    attnres_set_num_threads(0);
+    attnres_set_cpu_isa(nullptr);
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Phase 1 through the ABI.
+
+struct Phase1Case {
+  int64_t tokens = 5, dim = 8, blocks = 3, queries = 2;
+  bool rmsnorm = true, gamma = true;
+  double scale = 1.0, eps = 1e-6;
+  attnres_dtype dtype = ATTNRES_DTYPE_FLOAT32;
+  int64_t source_pad = 0, out_pad = 0, grad_out_pad = 0, grad_source_pad = 0;
+  std::vector<int> null_grad_outs;   // queries whose grad_query_outs entry is NULL
+  std::vector<int> null_grad_lses;   // queries whose grad_query_lses entry is NULL
+  bool grad_lses_array_null = false; // grad_query_lses itself NULL
+  uint64_t seed = 1;
+
+  std::string Describe() const {
+    std::ostringstream s;
+    s << DTypeName(dtype) << " tokens=" << tokens << " dim=" << dim << " N=" << blocks
+      << " S=" << queries << " rmsnorm=" << rmsnorm << " gamma=" << gamma << " scale=" << scale
+      << " eps=" << eps << " pads=" << source_pad << "/" << out_pad << "/" << grad_out_pad << "/"
+      << grad_source_pad;
+    return s.str();
+  }
+};
+
+bool Contains(const std::vector<int>& v, int x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
+
+class Phase1Abi {
+ public:
+  explicit Phase1Abi(const Phase1Case& c) : c_(c) {
+    Rng rng(c.seed);
+    const attnres_dtype dt = c.dtype, acc = CacheDType(dt);
+    const int64_t T = c.tokens, D = c.dim, N = c.blocks, S = c.queries;
+    ref.tokens = T;
+    ref.dim = D;
+    ref.num_queries = S;
+    ref.rmsnorm = c.rmsnorm;
+    ref.scale = c.scale;
+    ref.eps = c.eps;
+    for (int64_t i = 0; i < N; ++i) ref.blocks.push_back(rng.Normal(T * D, 0, rng.Uniform(0.5, 2), dt));
+    ref.w = rng.Normal(S * D, 0, 1 / std::sqrt(double(D)), dt);
+    gamma_values_ = c.gamma ? rng.Normal(S * D, 1, 0.2, dt) : Vec();
+    // The reference ignores gamma without rmsnorm (SPEC §1: keys are the raw sources).
+    ref.gamma = gamma_values_;
+    for (int64_t s = 0; s < S; ++s) {
+      grad_outs.push_back(Contains(c.null_grad_outs, s) ? Vec() : rng.Normal(T * D, 0, 1, dt));
+      grad_lses.push_back(c.grad_lses_array_null || Contains(c.null_grad_lses, s)
+                              ? Vec() : rng.Normal(T, 0, 1, acc));
+    }
+
+    const int64_t ss = D + c.source_pad;
+    for (int64_t i = 0; i < N; ++i) {
+      blocks_.emplace_back(dt, T, D, ss, kInputPadding);
+      blocks_.back().Write(ref.blocks[i]);
+    }
+    for (auto& b : blocks_) block_ptrs_.push_back(b.data());
+    w_ = Dense(dt, ref.w);
+    if (c.gamma) gamma_ = Dense(dt, gamma_values_);
+    for (int64_t s = 0; s < S; ++s) {
+      outs_.emplace_back(dt, T, D, D + c.out_pad, kOutputSentinel);
+      lses_.emplace_back(acc, T, kOutputSentinel);
+      if (grad_outs[s].empty()) {
+        gouts_.emplace_back();
+      } else {
+        gouts_.emplace_back(dt, T, D, D + c.grad_out_pad, kInputPadding);
+        gouts_.back().Write(grad_outs[s]);
+      }
+      glses_.push_back(grad_lses[s].empty() ? Buffer() : Dense(acc, grad_lses[s]));
+    }
+    for (int64_t s = 0; s < S; ++s) {
+      out_ptrs_.push_back(outs_[s].data());
+      lse_ptrs_.push_back(lses_[s].data());
+      gout_ptrs_.push_back(grad_outs[s].empty() ? nullptr : gouts_[s].data());
+      glse_ptrs_.push_back(grad_lses[s].empty() ? nullptr : glses_[s].data());
+    }
+    for (int64_t i = 0; i < N; ++i) gblocks_.emplace_back(dt, T, D, D + c.grad_source_pad, kOutputSentinel);
+    for (auto& g : gblocks_) gblock_ptrs_.push_back(g.data());
+    gw_ = Buffer(dt, S * D, kOutputSentinel);
+    ggamma_ = Buffer(dt, S * D, kOutputSentinel);
+  }
+
+  attnres_params Inputs() const {
+    attnres_params p;
+    attnres_params_init(&p);
+    p.num_tokens = c_.tokens;
+    p.dim = c_.dim;
+    p.num_blocks = c_.blocks;
+    p.dtype = c_.dtype;
+    p.blocks = block_ptrs_.data();
+    p.source_row_stride = c_.dim + c_.source_pad;
+    p.proj_weight = w_.data();
+    p.gamma = c_.gamma ? gamma_.data() : nullptr;
+    p.scale = c_.scale;
+    p.eps = c_.eps;
+    p.rmsnorm = c_.rmsnorm ? 1 : 0;
+    p.num_queries = c_.queries;
+    return p;
+  }
+
+  struct Forward {
+    attnres_status status;
+    std::string error, layout;
+    Vecs outs, lses;
+  };
+  Forward RunForward() {
+    for (auto& o : outs_) o.Fill(kOutputSentinel);
+    for (auto& l : lses_) l.Fill(kOutputSentinel);
+    attnres_params p = Inputs();
+    p.query_outs = out_ptrs_.data();
+    p.out_row_stride = c_.dim + c_.out_pad;
+    p.query_lses = lse_ptrs_.data();
+    const auto before = InputBytes();
+    Forward f;
+    f.status = attnres_phase1_forward(&p);
+    f.error = f.status == ATTNRES_OK ? "" : attnres_last_error();
+    for (int64_t s = 0; s < c_.queries; ++s) {
+      f.outs.push_back(outs_[s].Read());
+      f.lses.push_back(ReadDense(lses_[s]));
+      if (!outs_[s].OutsideIs(kOutputSentinel)) f.layout += "query_outs[" + std::to_string(s) + "] padding/guard written; ";
+      if (!lses_[s].GuardIntact(kOutputSentinel)) f.layout += "query_lses[" + std::to_string(s) + "] guard written; ";
+    }
+    if (InputBytes() != before) f.layout += "an input was modified; ";
+    return f;
+  }
+
+  struct Backward {
+    attnres_status status;
+    std::string error, layout;
+    Vecs grad_blocks;  // N, empty where the pointer was NULL
+    Vec grad_w, grad_gamma;
+  };
+  // initial: when non-empty, grad_blocks hold these values before the call (accumulate).
+  Backward RunBackward(bool accumulate = false, const Vecs& initial = {},
+                       const std::vector<int>& null_blocks = {}, bool skip_w = false,
+                       bool skip_gamma = false) {
+    for (size_t i = 0; i < gblocks_.size(); ++i) {
+      gblocks_[i].Fill(kOutputSentinel);
+      if (!initial.empty() && !Contains(null_blocks, static_cast<int>(i))) gblocks_[i].Write(initial[i]);
+    }
+    gw_.Fill(kOutputSentinel);
+    ggamma_.Fill(kOutputSentinel);
+    std::vector<void*> gptrs = gblock_ptrs_;
+    for (int i : null_blocks) gptrs[i] = nullptr;
+    attnres_params p = Inputs();
+    p.grad_query_outs = gout_ptrs_.data();
+    p.grad_out_row_stride = c_.dim + c_.grad_out_pad;
+    p.grad_query_lses = c_.grad_lses_array_null ? nullptr : glse_ptrs_.data();
+    p.grad_blocks = gptrs.data();
+    p.grad_source_row_stride = c_.dim + c_.grad_source_pad;
+    p.grad_proj_weight = skip_w ? nullptr : gw_.data();
+    p.grad_gamma = skip_gamma || !c_.rmsnorm ? nullptr : ggamma_.data();
+    p.accumulate_grads = accumulate ? 1 : 0;
+    const auto before = InputBytes();
+    Backward b;
+    b.status = attnres_phase1_backward(&p);
+    b.error = b.status == ATTNRES_OK ? "" : attnres_last_error();
+    for (size_t i = 0; i < gblocks_.size(); ++i) {
+      const bool skipped = Contains(null_blocks, static_cast<int>(i));
+      b.grad_blocks.push_back(skipped ? Vec() : gblocks_[i].Read());
+      if (skipped && !gblocks_[i].buffer().BytesAre(0, gblocks_[i].buffer().count(), kOutputSentinel)) {
+        b.layout += "grad_blocks[" + std::to_string(i) + "] was NULL but its buffer was written; ";
+      }
+      if (!gblocks_[i].OutsideIs(kOutputSentinel)) b.layout += "grad_blocks[" + std::to_string(i) + "] padding/guard written; ";
+    }
+    if (!skip_w) b.grad_w = ReadDense(gw_);
+    if (!skip_gamma && c_.rmsnorm) b.grad_gamma = ReadDense(ggamma_);
+    if (!gw_.GuardIntact(kOutputSentinel) || !ggamma_.GuardIntact(kOutputSentinel)) b.layout += "dw/dgamma guard written; ";
+    if ((skip_gamma || !c_.rmsnorm) && !ggamma_.BytesAre(0, ggamma_.count(), kOutputSentinel)) b.layout += "grad_gamma written; ";
+    if (InputBytes() != before) b.layout += "an input was modified; ";
+    return b;
+  }
+
+  attnres::ref::Phase1Problem ref;
+  Vecs grad_outs, grad_lses;
+
+ private:
+  std::vector<std::vector<unsigned char>> InputBytes() const {
+    std::vector<std::vector<unsigned char>> all;
+    for (const auto& b : blocks_) all.push_back(Bytes(b.buffer()));
+    for (const auto& g : gouts_) all.push_back(Bytes(g.buffer()));
+    for (const auto& g : glses_) all.push_back(Bytes(g));
+    all.push_back(Bytes(w_));
+    all.push_back(Bytes(gamma_));
+    return all;
+  }
+
+  Phase1Case c_;
+  Vec gamma_values_;
+  std::vector<Rows> blocks_;
+  std::vector<const void*> block_ptrs_;
+  Buffer w_, gamma_;
+  std::vector<Rows> outs_;
+  std::vector<Buffer> lses_;
+  std::vector<void*> out_ptrs_, lse_ptrs_;
+  std::vector<Rows> gouts_;
+  std::vector<Buffer> glses_;
+  std::vector<const void*> gout_ptrs_, glse_ptrs_;
+  std::vector<Rows> gblocks_;
+  std::vector<void*> gblock_ptrs_;
+  Buffer gw_, ggamma_;
+};
+
+// ---------------------------------------------------------------------------
+// Phase 2 through the ABI.
+
+struct Phase2Case {
+  int64_t tokens = 5, dim = 8;
+  bool partial = true, rmsnorm = true, gamma = true, input_norm = false, norm_weight = false;
+  double scale = 1.0, eps = 1e-6, norm_eps = 1e-6;
+  attnres_dtype dtype = ATTNRES_DTYPE_FLOAT32;
+  int64_t source_pad = 0, out_pad = 0, grad_out_pad = 0, grad_source_pad = 0;
+  uint64_t seed = 1;
+
+  std::string Describe() const {
+    std::ostringstream s;
+    s << DTypeName(dtype) << " tokens=" << tokens << " dim=" << dim << " partial=" << partial
+      << " rmsnorm=" << rmsnorm << " gamma=" << gamma << " input_norm=" << input_norm
+      << " norm_weight=" << norm_weight << " scale=" << scale << " eps=" << eps
+      << " norm_eps=" << norm_eps << " pads=" << source_pad << "/" << out_pad << "/"
+      << grad_out_pad << "/" << grad_source_pad;
+    return s.str();
+  }
+};
+
+class Phase2Abi {
+ public:
+  explicit Phase2Abi(const Phase2Case& c) : c_(c) {
+    Rng rng(c.seed);
+    const attnres_dtype dt = c.dtype, acc = CacheDType(dt);
+    const int64_t T = c.tokens, D = c.dim;
+    ref.tokens = T;
+    ref.dim = D;
+    ref.has_partial = c.partial;
+    ref.rmsnorm = c.rmsnorm;
+    ref.input_norm = c.input_norm;
+    ref.scale = c.scale;
+    ref.eps = c.eps;
+    ref.norm_eps = c.norm_eps;
+    ref.out = rng.Normal(T * D, 0, 1, dt);
+    ref.lse = rng.Normal(T, 0.5, 1, acc);
+    ref.partial = c.partial ? rng.Normal(T * D, 0, 1.2, dt) : Vec();
+    ref.w = rng.Normal(D, 0, 1 / std::sqrt(double(D)), dt);
+    ref.gamma = c.gamma ? rng.Normal(D, 1, 0.2, dt) : Vec();
+    ref.norm_weight = c.norm_weight ? rng.Normal(D, 1, 0.2, dt) : Vec();
+    grad = rng.Normal(T * D, 0, 1, dt);
+
+    const int64_t ss = D + c.source_pad;
+    qo_ = Rows(dt, T, D, ss, kInputPadding);
+    qo_.Write(ref.out);
+    if (c.partial) {
+      part_ = Rows(dt, T, D, ss, kInputPadding);
+      part_.Write(ref.partial);
+    }
+    lse_ = Dense(acc, ref.lse);
+    w_ = Dense(dt, ref.w);
+    if (c.gamma) gamma_ = Dense(dt, ref.gamma);
+    if (c.norm_weight) nw_ = Dense(dt, ref.norm_weight);
+    out_ = Rows(dt, T, D, D + c.out_pad, kOutputSentinel);
+    gout_ = Rows(dt, T, D, D + c.grad_out_pad, kInputPadding);
+    gout_.Write(grad);
+    gq_ = Rows(dt, T, D, D + c.grad_source_pad, kOutputSentinel);
+    gp_ = Rows(dt, T, D, D + c.grad_source_pad, kOutputSentinel);
+    glse_ = Buffer(acc, T, kOutputSentinel);
+    gw_ = Buffer(dt, D, kOutputSentinel);
+    gg_ = Buffer(dt, D, kOutputSentinel);
+    gnw_ = Buffer(dt, D, kOutputSentinel);
+  }
+
+  attnres_params Inputs() const {
+    attnres_params p;
+    attnres_params_init(&p);
+    p.num_tokens = c_.tokens;
+    p.dim = c_.dim;
+    p.num_blocks = 0;
+    p.dtype = c_.dtype;
+    p.query_out = qo_.data();
+    p.query_lse = lse_.data();
+    p.partial = c_.partial ? part_.data() : nullptr;
+    p.source_row_stride = c_.dim + c_.source_pad;
+    p.proj_weight = w_.data();
+    p.gamma = c_.gamma ? gamma_.data() : nullptr;
+    p.scale = c_.scale;
+    p.eps = c_.eps;
+    p.rmsnorm = c_.rmsnorm ? 1 : 0;
+    p.input_norm = c_.input_norm ? 1 : 0;
+    p.norm_eps = c_.norm_eps;
+    p.norm_weight = c_.norm_weight ? nw_.data() : nullptr;
+    return p;
+  }
+
+  struct Forward {
+    attnres_status status;
+    std::string error, layout;
+    Vec out;
+  };
+  Forward RunForward() {
+    out_.Fill(kOutputSentinel);
+    attnres_params p = Inputs();
+    p.out = out_.data();
+    p.out_row_stride = c_.dim + c_.out_pad;
+    const auto before = InputBytes();
+    Forward f;
+    f.status = attnres_phase2_forward(&p);
+    f.error = f.status == ATTNRES_OK ? "" : attnres_last_error();
+    f.out = out_.Read();
+    if (!out_.OutsideIs(kOutputSentinel)) f.layout += "out padding/guard written; ";
+    if (InputBytes() != before) f.layout += "an input was modified; ";
+    return f;
+  }
+
+  struct Backward {
+    attnres_status status;
+    std::string error, layout;
+    Vec grad_out, grad_lse, grad_partial, grad_w, grad_gamma, grad_norm_weight;
+  };
+  Backward RunBackward() {
+    for (Rows* r : {&gq_, &gp_}) r->Fill(kOutputSentinel);
+    for (Buffer* b : {&glse_, &gw_, &gg_, &gnw_}) b->Fill(kOutputSentinel);
+    attnres_params p = Inputs();
+    p.grad_out = gout_.data();
+    p.grad_out_row_stride = c_.dim + c_.grad_out_pad;
+    p.grad_query_out = gq_.data();
+    p.grad_query_lse = glse_.data();
+    p.grad_partial = c_.partial ? gp_.data() : nullptr;
+    p.grad_source_row_stride = c_.dim + c_.grad_source_pad;
+    p.grad_proj_weight = gw_.data();
+    p.grad_gamma = c_.rmsnorm ? gg_.data() : nullptr;
+    p.grad_norm_weight = c_.input_norm ? gnw_.data() : nullptr;
+    const auto before = InputBytes();
+    Backward b;
+    b.status = attnres_phase2_backward(&p);
+    b.error = b.status == ATTNRES_OK ? "" : attnres_last_error();
+    b.grad_out = gq_.Read();
+    b.grad_lse = ReadDense(glse_);
+    if (c_.partial) b.grad_partial = gp_.Read();
+    b.grad_w = ReadDense(gw_);
+    if (c_.rmsnorm) b.grad_gamma = ReadDense(gg_);
+    if (c_.input_norm) b.grad_norm_weight = ReadDense(gnw_);
+    if (!gq_.OutsideIs(kOutputSentinel) || !gp_.OutsideIs(kOutputSentinel)) b.layout += "grad row padding/guard written; ";
+    for (const Buffer* x : {&glse_, &gw_, &gg_, &gnw_}) {
+      if (!x->GuardIntact(kOutputSentinel)) b.layout += "a guard was written; ";
+    }
+    if (!c_.partial && !gp_.buffer().BytesAre(0, gp_.buffer().count(), kOutputSentinel)) b.layout += "grad_partial written; ";
+    if (!c_.rmsnorm && !gg_.BytesAre(0, gg_.count(), kOutputSentinel)) b.layout += "grad_gamma written; ";
+    if (!c_.input_norm && !gnw_.BytesAre(0, gnw_.count(), kOutputSentinel)) b.layout += "grad_norm_weight written; ";
+    if (InputBytes() != before) b.layout += "an input was modified; ";
+    return b;
+  }
+
+  Phase2Problem ref;
+  Vec grad;
+
+ private:
+  std::vector<std::vector<unsigned char>> InputBytes() const {
+    return {Bytes(qo_.buffer()), Bytes(part_.buffer()), Bytes(lse_), Bytes(w_), Bytes(gamma_),
+            Bytes(nw_), Bytes(gout_.buffer())};
+  }
+
+  Phase2Case c_;
+  Rows qo_, part_, out_, gout_, gq_, gp_;
+  Buffer lse_, w_, gamma_, nw_, glse_, gw_, gg_, gnw_;
+};
+
+// ---------------------------------------------------------------------------
+// The reference itself: phase 1 then phase 2 is the single op (SPEC §5, "in exact
+// arithmetic h equals the single op"), forward and backward, and the input norm's
+// backward matches finite differences.
+
+TEST(TwoPhaseReference, ComposesToTheSingleOpReference) {
+  for (bool rmsnorm : {true, false}) {
+    for (bool has_gamma : {true, false}) {
+      for (bool has_partial : {true, false}) {
+        SCOPED_TRACE("rmsnorm=" + std::to_string(rmsnorm) + " gamma=" + std::to_string(has_gamma) +
+                     " partial=" + std::to_string(has_partial));
+        Rng rng(7);
+        const int64_t T = 3, D = 6, N = 4, S = 3;
+        const attnres_dtype f64 = ATTNRES_DTYPE_FLOAT64;
+        Phase1Problem p1;
+        p1.tokens = T;
+        p1.dim = D;
+        p1.num_queries = S;
+        p1.rmsnorm = rmsnorm;
+        p1.scale = 0.8;
+        p1.eps = 0.05;
+        for (int64_t i = 0; i < N; ++i) p1.blocks.push_back(rng.Normal(T * D, 0, 1 + i * 0.3, f64));
+        p1.w = rng.Normal(S * D, 0, 0.5, f64);
+        if (has_gamma) p1.gamma = rng.Normal(S * D, 1, 0.2, f64);
+        const auto f1 = attnres::ref::Phase1Forward(p1);
+        Vecs partials, grads;
+        for (int64_t s = 0; s < S; ++s) {
+          partials.push_back(rng.Normal(T * D, 0, 1, f64));
+          grads.push_back(rng.Normal(T * D, 0, 1, f64));
+        }
+        // Gradients of sum_s <g_s, h_s> through both phases.
+        Vecs go(S), gl(S), grads_single(N, Vec(T * D, 0.0));
+        Vec dw_total(S * D, 0.0), dgamma_total(S * D, 0.0);
+        for (int64_t s = 0; s < S; ++s) {
+          Phase2Problem p2;
+          p2.tokens = T;
+          p2.dim = D;
+          p2.has_partial = has_partial;
+          p2.rmsnorm = rmsnorm;
+          p2.scale = p1.scale;
+          p2.eps = p1.eps;
+          p2.out = f1.outs[s];
+          p2.lse = f1.lses[s];
+          p2.partial = partials[s];
+          p2.w = Vec(p1.w.begin() + s * D, p1.w.begin() + (s + 1) * D);
+          if (has_gamma) p2.gamma = Vec(p1.gamma.begin() + s * D, p1.gamma.begin() + (s + 1) * D);
+          const Vec h = attnres::ref::Phase2Forward(p2);
+
+          attnres::ref::Problem single;
+          single.tokens = T;
+          single.dim = D;
+          single.num_blocks = N;
+          single.has_partial = has_partial;
+          single.rmsnorm = rmsnorm;
+          single.scale = p1.scale;
+          single.eps = p1.eps;
+          single.sources = p1.blocks;
+          if (has_partial) single.sources.push_back(partials[s]);
+          single.w = p2.w;
+          single.gamma = p2.gamma;
+          const auto fs = attnres::ref::Forward(single);
+          EXPECT_TRUE(Close("h (s=" + std::to_string(s) + ")", h, fs.out, 1e-13));
+
+          const auto b2 = attnres::ref::Phase2Backward(p2, grads[s]);
+          const auto bs = attnres::ref::Backward(single, grads[s]);
+          if (has_partial) EXPECT_TRUE(Close("dp", b2.grad_partial, bs.grad_sources[N], 1e-12));
+          go[s] = b2.grad_out;
+          gl[s] = b2.grad_lse;
+          // Expected totals: the single op's dw/dgamma per query.
+          for (int64_t d = 0; d < D; ++d) {
+            dw_total[s * D + d] = bs.grad_w[d] - b2.grad_w[d];  // phase 1's share
+            dgamma_total[s * D + d] = bs.grad_gamma[d] - b2.grad_gamma[d];
+          }
+          // Phase 1's block gradients must add up to the single op's over all s.
+          for (int64_t i = 0; i < N; ++i) grads_single[i] = Add(grads_single[i], bs.grad_sources[i]);
+        }
+        const auto b1 = attnres::ref::Phase1Backward(p1, go, gl);
+        for (int64_t i = 0; i < N; ++i) {
+          EXPECT_TRUE(Close("dv_" + std::to_string(i), b1.grad_blocks[i], grads_single[i], 1e-12));
+        }
+        EXPECT_TRUE(Close("dw (phase 1 share)", b1.grad_w, dw_total, 1e-12));
+        if (rmsnorm) EXPECT_TRUE(Close("dgamma (phase 1 share)", b1.grad_gamma, dgamma_total, 1e-12));
+      }
+    }
+  }
+}
+
+TEST(TwoPhaseReference, InputNormBackwardMatchesFiniteDifferences) {
+  Rng rng(3);
+  const attnres_dtype f64 = ATTNRES_DTYPE_FLOAT64;
+  Phase2Problem p;
+  p.tokens = 2;
+  p.dim = 5;
+  p.input_norm = true;
+  p.scale = 0.7;
+  p.eps = 0.01;
+  p.norm_eps = 0.02;
+  p.out = rng.Normal(10, 0, 1, f64);
+  p.lse = rng.Normal(2, 0, 1, f64);
+  p.partial = rng.Normal(10, 0, 1, f64);
+  p.w = rng.Normal(5, 0, 0.5, f64);
+  p.gamma = rng.Normal(5, 1, 0.2, f64);
+  p.norm_weight = rng.Normal(5, 1, 0.2, f64);
+  const Vec g = rng.Normal(10, 0, 1, f64);
+  const auto b = attnres::ref::Phase2Backward(p, g);
+  auto loss = [&](const Phase2Problem& q) {
+    const Vec y = attnres::ref::Phase2Forward(q);
+    double s = 0;
+    for (size_t i = 0; i < y.size(); ++i) s += y[i] * g[i];
+    return s;
+  };
+  const double h = 1e-6;
+  auto check = [&](const char* name, Vec Phase2Problem::*field, const Vec& analytic) {
+    for (size_t i = 0; i < (p.*field).size(); ++i) {
+      Phase2Problem plus = p, minus = p;
+      (plus.*field)[i] += h;
+      (minus.*field)[i] -= h;
+      const double fd = (loss(plus) - loss(minus)) / (2 * h);
+      EXPECT_NEAR(analytic[i], fd, 1e-7) << name << "[" << i << "]";
+    }
+  };
+  check("out", &Phase2Problem::out, b.grad_out);
+  check("lse", &Phase2Problem::lse, b.grad_lse);
+  check("partial", &Phase2Problem::partial, b.grad_partial);
+  check("w", &Phase2Problem::w, b.grad_w);
+  check("gamma", &Phase2Problem::gamma, b.grad_gamma);
+  check("norm_weight", &Phase2Problem::norm_weight, b.grad_norm_weight);
+}
+
+// ---------------------------------------------------------------------------
+// The ABI vs the reference.
+
+void CheckPhase1(const Phase1Case& c) {
+  SCOPED_TRACE(c.Describe());
+  Phase1Abi abi(c);
+  const auto ref_f = attnres::ref::Phase1Forward(abi.ref);
+  const auto ref_b = attnres::ref::Phase1Backward(abi.ref, abi.grad_outs, abi.grad_lses);
+  const Tolerance tol = ToleranceFor(c.dtype);
+  const auto f = abi.RunForward();
+  ASSERT_EQ(f.status, ATTNRES_OK) << f.error;
+  EXPECT_EQ(f.layout, "");
+  for (int64_t s = 0; s < c.queries; ++s) {
+    EXPECT_TRUE(Close("o_" + std::to_string(s), f.outs[s], ref_f.outs[s], tol.out));
+    EXPECT_TRUE(Close("lse_" + std::to_string(s), f.lses[s], ref_f.lses[s], tol.cache));
+  }
+  const auto b = abi.RunBackward();
+  ASSERT_EQ(b.status, ATTNRES_OK) << b.error;
+  EXPECT_EQ(b.layout, "");
+  for (int64_t i = 0; i < c.blocks; ++i) {
+    EXPECT_TRUE(Close("dv_" + std::to_string(i), b.grad_blocks[i], ref_b.grad_blocks[i], tol.grad));
+  }
+  EXPECT_TRUE(Close("dw", b.grad_w, ref_b.grad_w, tol.grad));
+  if (c.rmsnorm) EXPECT_TRUE(Close("dgamma", b.grad_gamma, ref_b.grad_gamma, tol.grad));
+
+  // NULL gradient pointers skip exactly those gradients; the others are unchanged.
+  if (c.blocks >= 2) {
+    const auto partial = abi.RunBackward(false, {}, {0}, /*skip_w=*/true, /*skip_gamma=*/false);
+    ASSERT_EQ(partial.status, ATTNRES_OK) << partial.error;
+    EXPECT_EQ(partial.layout, "");
+    EXPECT_TRUE(Close("dv_1 (dv_0, dw skipped)", partial.grad_blocks[1], ref_b.grad_blocks[1], tol.grad));
+    if (c.rmsnorm) EXPECT_TRUE(Close("dgamma (dw skipped)", partial.grad_gamma, ref_b.grad_gamma, tol.grad));
+  }
+}
+
+TEST(TwoPhaseAbi, Phase1MatchesReference) {
+  for (attnres_dtype dt : kAllDTypes) {
+    Phase1Case a;  // everything on, padded strides everywhere
+    a.dtype = dt;
+    a.tokens = 7;
+    a.dim = 33;
+    a.blocks = 3;
+    a.queries = 2;
+    a.scale = 0.7;
+    a.source_pad = 3;
+    a.out_pad = 5;
+    a.grad_out_pad = 2;
+    a.grad_source_pad = 4;
+    CheckPhase1(a);
+
+    Phase1Case b;  // D = 1, one block, one query, gamma NULL
+    b.dtype = dt;
+    b.tokens = 5;
+    b.dim = 1;
+    b.blocks = 1;
+    b.queries = 1;
+    b.gamma = false;
+    b.source_pad = 1;
+    b.seed = 2;
+    CheckPhase1(b);
+
+    Phase1Case c;  // no RMSNorm (gamma given: ignored), missing upstream gradients
+    c.dtype = dt;
+    c.tokens = 9;
+    c.dim = 130;
+    c.blocks = 9;
+    c.queries = 6;
+    c.rmsnorm = false;
+    c.scale = 1.3;
+    c.eps = 0.3;
+    c.source_pad = 1;
+    c.grad_out_pad = 7;
+    c.null_grad_outs = {2};
+    c.null_grad_lses = {1, 4};
+    c.seed = 3;
+    CheckPhase1(c);
+
+    Phase1Case d;  // many blocks and queries, no LSE gradients at all
+    d.dtype = dt;
+    d.tokens = 3;
+    d.dim = 7;
+    d.blocks = 33;
+    d.queries = 24;
+    d.eps = 0.1;
+    d.scale = 0.5;
+    d.source_pad = 9;
+    d.out_pad = 1;
+    d.grad_source_pad = 2;
+    d.grad_lses_array_null = true;
+    d.seed = 4;
+    CheckPhase1(d);
+
+    Phase1Case e;  // full vectors, 5 queries (a partial group of 4)
+    e.dtype = dt;
+    e.tokens = 17;
+    e.dim = 64;
+    e.blocks = 2;
+    e.queries = 5;
+    e.scale = 2.0;
+    e.source_pad = 64;
+    e.null_grad_outs = {0};
+    e.seed = 5;
+    CheckPhase1(e);
+  }
+}
+
+void CheckPhase2(const Phase2Case& c) {
+  SCOPED_TRACE(c.Describe());
+  Phase2Abi abi(c);
+  const Vec ref_out = attnres::ref::Phase2Forward(abi.ref);
+  const auto ref_b = attnres::ref::Phase2Backward(abi.ref, abi.grad);
+  const Tolerance tol = ToleranceFor(c.dtype);
+  const auto f = abi.RunForward();
+  ASSERT_EQ(f.status, ATTNRES_OK) << f.error;
+  EXPECT_EQ(f.layout, "");
+  EXPECT_TRUE(Close("out", f.out, ref_out, tol.out));
+  const auto b = abi.RunBackward();
+  ASSERT_EQ(b.status, ATTNRES_OK) << b.error;
+  EXPECT_EQ(b.layout, "");
+  EXPECT_TRUE(Close("do", b.grad_out, ref_b.grad_out, tol.grad));
+  EXPECT_TRUE(Close("dlse", b.grad_lse, ref_b.grad_lse, tol.grad));
+  if (c.partial) EXPECT_TRUE(Close("dp", b.grad_partial, ref_b.grad_partial, tol.grad));
+  EXPECT_TRUE(Close("dw", b.grad_w, ref_b.grad_w, tol.grad));
+  if (c.rmsnorm) EXPECT_TRUE(Close("dgamma", b.grad_gamma, ref_b.grad_gamma, tol.grad));
+  if (c.input_norm) EXPECT_TRUE(Close("dnorm_weight", b.grad_norm_weight, ref_b.grad_norm_weight, tol.grad));
+}
+
+TEST(TwoPhaseAbi, Phase2MatchesReference) {
+  const int64_t dims[] = {1, 7, 33, 130};
+  int k = 0;
+  for (attnres_dtype dt : kAllDTypes) {
+    for (bool partial : {true, false}) {
+      for (int norm : {0, 1, 2}) {        // no input norm, input norm, with norm_weight
+        for (int keys : {0, 1, 2}) {      // RMSNorm + gamma, RMSNorm without gamma, none
+          Phase2Case c;
+          c.dtype = dt;
+          c.tokens = 6;
+          c.dim = dims[k % 4];
+          c.partial = partial;
+          c.input_norm = norm >= 1;
+          c.norm_weight = norm == 2;
+          c.rmsnorm = keys != 2;
+          c.gamma = keys == 0 || keys == 2;  // keys == 2: gamma given but unused
+          c.scale = (k % 3 == 0) ? 1.0 : 0.6 + 0.1 * (k % 7);
+          c.eps = (k % 2) ? 1e-6 : 0.25;
+          c.norm_eps = (k % 3) ? 1e-6 : 0.1;
+          // D = 1: RMSNorm(h) = sign(h) * norm_weight up to norm_eps, so every gradient
+          // through it is O(norm_eps) and pure cancellation in fp32 (no relative measure
+          // holds); a large norm_eps keeps the case well conditioned.
+          if (c.dim == 1 && c.input_norm) c.norm_eps = 0.5;
+          c.source_pad = k % 3;
+          c.out_pad = (k + 1) % 4;
+          c.grad_out_pad = k % 2;
+          c.grad_source_pad = (k + 2) % 3;
+          c.seed = 100 + k;
+          ++k;
+          CheckPhase2(c);
+        }
+      }
+    }
+  }
+}
+
+TEST(TwoPhaseAbi, ZeroTokensWriteZeroWeightGradients) {
+  for (attnres_dtype dt : kAllDTypes) {
+    SCOPED_TRACE(DTypeName(dt));
+    Phase1Case c;
+    c.dtype = dt;
+    c.tokens = 0;
+    Phase1Abi abi(c);
+    const auto f = abi.RunForward();
+    ASSERT_EQ(f.status, ATTNRES_OK) << f.error;
+    EXPECT_EQ(f.layout, "");
+    const auto b = abi.RunBackward();
+    ASSERT_EQ(b.status, ATTNRES_OK) << b.error;
+    EXPECT_EQ(b.layout, "");
+    EXPECT_TRUE(Close("dw", b.grad_w, Vec(c.queries * c.dim, 0.0), 0));
+    EXPECT_TRUE(Close("dgamma", b.grad_gamma, Vec(c.queries * c.dim, 0.0), 0));
+
+    Phase2Case c2;
+    c2.dtype = dt;
+    c2.tokens = 0;
+    c2.input_norm = true;
+    Phase2Abi abi2(c2);
+    const auto f2 = abi2.RunForward();
+    ASSERT_EQ(f2.status, ATTNRES_OK) << f2.error;
+    const auto b2 = abi2.RunBackward();
+    ASSERT_EQ(b2.status, ATTNRES_OK) << b2.error;
+    EXPECT_TRUE(Close("dw", b2.grad_w, Vec(c2.dim, 0.0), 0));
+    EXPECT_TRUE(Close("dgamma", b2.grad_gamma, Vec(c2.dim, 0.0), 0));
+    EXPECT_TRUE(Close("dnorm_weight", b2.grad_norm_weight, Vec(c2.dim, 0.0), 0));
+  }
+}
+
+// Header: "accumulate_grads: 1 adds into grad_blocks[i] instead of overwriting";
+// grad_proj_weight and grad_gamma stay "overwritten".
+TEST(TwoPhaseAbi, AccumulateGradsAddsIntoBlockGradients) {
+  for (attnres_dtype dt : kAllDTypes) {
+    Phase1Case c;
+    c.dtype = dt;
+    c.tokens = 11;
+    c.dim = 19;
+    c.blocks = 4;
+    c.queries = 3;
+    c.grad_source_pad = 3;
+    c.null_grad_lses = {1};
+    SCOPED_TRACE(c.Describe());
+    Phase1Abi abi(c);
+    const auto ref_b = attnres::ref::Phase1Backward(abi.ref, abi.grad_outs, abi.grad_lses);
+    Rng rng(99);
+    Vecs initial;
+    for (int64_t i = 0; i < c.blocks; ++i) initial.push_back(rng.Normal(c.tokens * c.dim, 0, 1, dt));
+    const Tolerance tol = ToleranceFor(dt);
+    const auto b = abi.RunBackward(/*accumulate=*/true, initial, /*null_blocks=*/{2});
+    ASSERT_EQ(b.status, ATTNRES_OK) << b.error;
+    EXPECT_EQ(b.layout, "");
+    for (int64_t i = 0; i < c.blocks; ++i) {
+      if (i == 2) continue;
+      EXPECT_TRUE(Close("initial + dv_" + std::to_string(i), b.grad_blocks[i],
+                        Add(initial[i], ref_b.grad_blocks[i]), tol.grad));
+    }
+    // The sentinel in grad_w/grad_gamma before the call must not leak into them.
+    EXPECT_TRUE(Close("dw (overwritten)", b.grad_w, ref_b.grad_w, tol.grad));
+    EXPECT_TRUE(Close("dgamma (overwritten)", b.grad_gamma, ref_b.grad_gamma, tol.grad));
+
+    // accumulate = 0 ignores what the buffers held.
+    const auto o = abi.RunBackward(/*accumulate=*/false, initial);
+    ASSERT_EQ(o.status, ATTNRES_OK) << o.error;
+    for (int64_t i = 0; i < c.blocks; ++i) {
+      EXPECT_TRUE(Close("dv_" + std::to_string(i) + " (overwrite)", o.grad_blocks[i],
+                        ref_b.grad_blocks[i], tol.grad));
+    }
+  }
+}
+
+// SPEC §3: dw and dgamma (and phase 2's dnorm_weight) bitwise identical run to run
+// and for any number of threads, for every CPU variant; every variant near the reference.
+TEST(TwoPhaseDeterminism, AcrossThreadsAndIsas) {
+  ThreadsAndIsaGuard guard;
+  for (attnres_dtype dt : {ATTNRES_DTYPE_FLOAT32, ATTNRES_DTYPE_BFLOAT16}) {
+    Phase1Case c;
+    c.dtype = dt;
+    c.tokens = 300;
+    c.dim = 37;
+    c.blocks = 5;
+    c.queries = 3;
+    c.scale = 0.9;
+    c.source_pad = 3;
+    SCOPED_TRACE(c.Describe());
+    Phase1Abi abi(c);
+    const auto ref_b = attnres::ref::Phase1Backward(abi.ref, abi.grad_outs, abi.grad_lses);
+
+    Phase2Case c2;
+    c2.dtype = dt;
+    c2.tokens = 300;
+    c2.dim = 37;
+    c2.input_norm = true;
+    c2.norm_weight = true;
+    c2.grad_source_pad = 2;
+    Phase2Abi abi2(c2);
+    const auto ref_b2 = attnres::ref::Phase2Backward(abi2.ref, abi2.grad);
+    const Tolerance tol = ToleranceFor(dt);
+
+    ForEachIsa([&](const std::string&) {
+      attnres_set_num_threads(1);
+      const auto f1 = abi.RunForward();
+      const auto b1 = abi.RunBackward();
+      const auto q1 = abi2.RunBackward();
+      ASSERT_EQ(b1.status, ATTNRES_OK) << b1.error;
+      ASSERT_EQ(q1.status, ATTNRES_OK) << q1.error;
+      EXPECT_TRUE(Close("dw", b1.grad_w, ref_b.grad_w, tol.grad));
+      EXPECT_TRUE(Close("dgamma", b1.grad_gamma, ref_b.grad_gamma, tol.grad));
+      EXPECT_TRUE(Close("phase 2 dw", q1.grad_w, ref_b2.grad_w, tol.grad));
+      EXPECT_TRUE(Close("phase 2 dnorm_weight", q1.grad_norm_weight, ref_b2.grad_norm_weight, tol.grad));
+      for (int threads : {2, 1, 2}) {
+        SCOPED_TRACE("threads=" + std::to_string(threads));
+        attnres_set_num_threads(threads);
+        ASSERT_EQ(attnres_get_num_threads(), threads);
+        const auto f = abi.RunForward();
+        const auto b = abi.RunBackward();
+        const auto q = abi2.RunBackward();
+        ASSERT_EQ(b.status, ATTNRES_OK) << b.error;
+        ASSERT_EQ(q.status, ATTNRES_OK) << q.error;
+        EXPECT_TRUE(BitwiseEqual(b.grad_w, b1.grad_w)) << "phase 1 dw differs";
+        EXPECT_TRUE(BitwiseEqual(b.grad_gamma, b1.grad_gamma)) << "phase 1 dgamma differs";
+        for (int64_t i = 0; i < c.blocks; ++i) {
+          EXPECT_TRUE(BitwiseEqual(b.grad_blocks[i], b1.grad_blocks[i])) << "dv_" << i << " differs";
+        }
+        for (int64_t s = 0; s < c.queries; ++s) {
+          EXPECT_TRUE(BitwiseEqual(f.outs[s], f1.outs[s])) << "o_" << s << " differs";
+          EXPECT_TRUE(BitwiseEqual(f.lses[s], f1.lses[s])) << "lse_" << s << " differs";
+        }
+        EXPECT_TRUE(BitwiseEqual(q.grad_w, q1.grad_w)) << "phase 2 dw differs";
+        EXPECT_TRUE(BitwiseEqual(q.grad_gamma, q1.grad_gamma)) << "phase 2 dgamma differs";
+        EXPECT_TRUE(BitwiseEqual(q.grad_norm_weight, q1.grad_norm_weight)) << "phase 2 dnorm_weight differs";
+        EXPECT_TRUE(BitwiseEqual(q.grad_partial, q1.grad_partial)) << "phase 2 dp differs";
+      }
+    });
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Validation: every rule of the header for the four calls.
+
+constexpr int64_t kT = 5, kD = 13, kN = 3, kS = 2;
+using Floats = std::vector<float>;
+constexpr uint8_t kSentinel = 0xA5;
+
+class TwoPhaseValidation : public ::testing::Test {
+ protected:
+  TwoPhaseValidation() {
+    std::mt19937_64 rng(5);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    auto random = [&](size_t n, float s, float offset) {
+      Floats v(n);
+      for (float& x : v) x = offset + s * normal(rng);
+      return v;
+    };
+    for (int64_t i = 0; i < kN; ++i) blocks_.push_back(random(kT * kD, 1, 0));
+    w_ = random(kS * kD, 0.3f, 0);
+    gamma_ = random(kS * kD, 0.1f, 1);
+    for (int64_t s = 0; s < kS; ++s) {
+      gouts_.push_back(random(kT * kD, 1, 0));
+      glses_.push_back(random(kT, 1, 0));
+    }
+    o_ = random(kT * kD, 1, 0);
+    lse_ = random(kT, 1, 0);
+    partial_ = random(kT * kD, 1, 0);
+    w2_ = random(kD, 0.3f, 0);
+    gamma2_ = random(kD, 0.1f, 1);
+    nw_ = random(kD, 0.1f, 1);
+    g2_ = random(kT * kD, 1, 0);
+    arena_ = random(kT * kD * 4, 1, 0);
+
+    outs_.assign(kS, Floats(kT * kD));
+    lses_.assign(kS, Floats(kT));
+    gblocks_.assign(kN, Floats(kT * kD));
+    gw_.resize(kS * kD);
+    ggamma_.resize(kS * kD);
+    out2_.resize(kT * kD);
+    gq_.resize(kT * kD);
+    glse_.resize(kT);
+    gp_.resize(kT * kD);
+    gw2_.resize(kD);
+    gg2_.resize(kD);
+    gnw_.resize(kD);
+    ResetOutputs();
+    inputs_snapshot_ = Inputs();
+
+    for (auto& b : blocks_) block_ptrs_.push_back(b.data());
+    for (auto& o : outs_) out_ptrs_.push_back(o.data());
+    for (auto& l : lses_) lse_ptrs_.push_back(l.data());
+    for (auto& g : gouts_) gout_ptrs_.push_back(g.data());
+    for (auto& g : glses_) glse_ptrs_.push_back(g.data());
+    for (auto& g : gblocks_) gblock_ptrs_.push_back(g.data());
+  }
+
+  std::vector<Floats*> OutputVectors() {
+    std::vector<Floats*> v;
+    for (auto& o : outs_) v.push_back(&o);
+    for (auto& l : lses_) v.push_back(&l);
+    for (auto& g : gblocks_) v.push_back(&g);
+    for (Floats* f : {&gw_, &ggamma_, &out2_, &gq_, &glse_, &gp_, &gw2_, &gg2_, &gnw_}) v.push_back(f);
+    return v;
+  }
+  void ResetOutputs() {
+    for (Floats* f : OutputVectors()) std::memset(f->data(), kSentinel, f->size() * sizeof(float));
+  }
+  // "" when every output still holds the sentinel, else the first one written.
+  std::string WrittenOutput() {
+    const char* names[] = {"query_outs", "query_lses", "grad_blocks", "grad_proj_weight",
+                           "grad_gamma", "out", "grad_query_out", "grad_query_lse",
+                           "grad_partial", "phase 2 grad_proj_weight", "phase 2 grad_gamma",
+                           "grad_norm_weight"};
+    (void)names;
+    int k = 0;
+    for (Floats* f : OutputVectors()) {
+      const auto* bytes = reinterpret_cast<const unsigned char*>(f->data());
+      for (size_t b = 0; b < f->size() * sizeof(float); ++b) {
+        if (bytes[b] != kSentinel) return "output vector #" + std::to_string(k);
+      }
+      ++k;
+    }
+    return "";
+  }
+  std::vector<Floats> Inputs() const {
+    std::vector<Floats> all = blocks_;
+    for (const Floats* f : {&w_, &gamma_, &o_, &lse_, &partial_, &w2_, &gamma2_, &nw_, &g2_, &arena_}) {
+      all.push_back(*f);
+    }
+    for (const auto& g : gouts_) all.push_back(g);
+    for (const auto& g : glses_) all.push_back(g);
+    return all;
+  }
+
+  attnres_params Phase1Inputs() const {
+    attnres_params p;
+    attnres_params_init(&p);
+    p.num_tokens = kT;
+    p.dim = kD;
+    p.num_blocks = kN;
+    p.dtype = ATTNRES_DTYPE_FLOAT32;
+    p.blocks = block_ptrs_.data();
+    p.source_row_stride = kD;
+    p.proj_weight = w_.data();
+    p.gamma = gamma_.data();
+    p.scale = 0.5;
+    p.num_queries = kS;
+    return p;
+  }
+  attnres_params P1Forward() {
+    attnres_params p = Phase1Inputs();
+    p.query_outs = out_ptrs_.data();
+    p.query_lses = lse_ptrs_.data();
+    p.out_row_stride = kD;
+    return p;
+  }
+  attnres_params P1Backward() {
+    attnres_params p = Phase1Inputs();
+    p.grad_query_outs = gout_ptrs_.data();
+    p.grad_query_lses = glse_ptrs_.data();
+    p.grad_out_row_stride = kD;
+    p.grad_blocks = gblock_ptrs_.data();
+    p.grad_source_row_stride = kD;
+    p.grad_proj_weight = gw_.data();
+    p.grad_gamma = ggamma_.data();
+    return p;
+  }
+  attnres_params Phase2Inputs() const {
+    attnres_params p;
+    attnres_params_init(&p);
+    p.num_tokens = kT;
+    p.dim = kD;
+    p.num_blocks = 0;
+    p.dtype = ATTNRES_DTYPE_FLOAT32;
+    p.query_out = o_.data();
+    p.query_lse = lse_.data();
+    p.partial = partial_.data();
+    p.source_row_stride = kD;
+    p.proj_weight = w2_.data();
+    p.gamma = gamma2_.data();
+    p.scale = 0.5;
+    p.input_norm = 1;
+    p.norm_weight = nw_.data();
+    return p;
+  }
+  attnres_params P2Forward() {
+    attnres_params p = Phase2Inputs();
+    p.out = out2_.data();
+    p.out_row_stride = kD;
+    return p;
+  }
+  attnres_params P2Backward() {
+    attnres_params p = Phase2Inputs();
+    p.grad_out = g2_.data();
+    p.grad_out_row_stride = kD;
+    p.grad_query_out = gq_.data();
+    p.grad_query_lse = glse_.data();
+    p.grad_partial = gp_.data();
+    p.grad_source_row_stride = kD;
+    p.grad_proj_weight = gw2_.data();
+    p.grad_gamma = gg2_.data();
+    p.grad_norm_weight = gnw_.data();
+    return p;
+  }
+
+  using Call = attnres_status (*)(const attnres_params*);
+
+  // The call fails with `status`, its message names every word, nothing is written.
+  void ExpectRejected(const char* what, Call call, const attnres_params* p, attnres_status status,
+                      const std::vector<std::string>& words) {
+    SCOPED_TRACE(what);
+    ResetOutputs();
+    const attnres_status got = call(p);
+    EXPECT_EQ(got, status) << "status " << attnres_status_string(got) << ": " << attnres_last_error();
+    const std::string message = attnres_last_error();
+    for (const std::string& w : words) {
+      EXPECT_NE(message.find(w), std::string::npos) << "message does not name '" << w << "': " << message;
+    }
+    EXPECT_EQ(WrittenOutput(), "") << "an output was written by a rejected call";
+    EXPECT_TRUE(Inputs() == inputs_snapshot_) << "an input was modified by a rejected call";
+  }
+
+  std::vector<Floats> blocks_;
+  Floats w_, gamma_;
+  std::vector<Floats> gouts_, glses_;
+  Floats o_, lse_, partial_, w2_, gamma2_, nw_, g2_;
+  Floats arena_;  // inputs that overlapping outputs point into (writes stay in bounds)
+  std::vector<Floats> outs_, lses_, gblocks_;
+  Floats gw_, ggamma_, out2_, gq_, glse_, gp_, gw2_, gg2_, gnw_;
+  std::vector<Floats> inputs_snapshot_;
+  std::vector<const void*> block_ptrs_, gout_ptrs_, glse_ptrs_;
+  std::vector<void*> out_ptrs_, lse_ptrs_, gblock_ptrs_;
+};
+
+TEST_F(TwoPhaseValidation, ValidCallsSucceed) {
+  for (auto [call, p] : std::vector<std::pair<Call, attnres_params>>{
+           {attnres_phase1_forward, P1Forward()}, {attnres_phase1_backward, P1Backward()},
+           {attnres_phase2_forward, P2Forward()}, {attnres_phase2_backward, P2Backward()}}) {
+    EXPECT_EQ(call(&p), ATTNRES_OK) << attnres_last_error();
+  }
+  // Inputs may share memory: the same block twice, o and p the same tensor.
+  attnres_params p = P1Forward();
+  std::vector<const void*> same = {blocks_[0].data(), blocks_[0].data(), blocks_[1].data()};
+  p.blocks = same.data();
+  EXPECT_EQ(attnres_phase1_forward(&p), ATTNRES_OK) << attnres_last_error();
+  attnres_params q = P2Forward();
+  q.partial = q.query_out;
+  EXPECT_EQ(attnres_phase2_forward(&q), ATTNRES_OK) << attnres_last_error();
+  // Phase 2 without a partial block needs no lse.
+  q = P2Forward();
+  q.partial = nullptr;
+  q.query_lse = nullptr;
+  EXPECT_EQ(attnres_phase2_forward(&q), ATTNRES_OK) << attnres_last_error();
+}
+
+// Rules every call shares: params, abi_version, dtype, device, sizes, scalars.
+TEST_F(TwoPhaseValidation, CommonRules) {
+  const std::pair<const char*, Call> calls[] = {
+      {"phase1_forward", attnres_phase1_forward}, {"phase1_backward", attnres_phase1_backward},
+      {"phase2_forward", attnres_phase2_forward}, {"phase2_backward", attnres_phase2_backward}};
+  const attnres_params valid[] = {P1Forward(), P1Backward(), P2Forward(), P2Backward()};
+  for (int k = 0; k < 4; ++k) {
+    SCOPED_TRACE(calls[k].first);
+    const Call call = calls[k].second;
+    ExpectRejected("params NULL", call, nullptr, ATTNRES_ERROR_NULL_POINTER, {"params"});
+    struct Rule {
+      const char* what;
+      std::function<void(attnres_params&)> edit;
+      attnres_status status;
+      std::vector<std::string> words;
+    };
+    const std::vector<Rule> rules = {
+        {"abi_version", [](attnres_params& p) { p.abi_version = 1; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"abi_version"}},
+        {"dtype", [](attnres_params& p) { p.dtype = 7; }, ATTNRES_ERROR_UNSUPPORTED_DTYPE, {"dtype", "7"}},
+        {"dtype -1", [](attnres_params& p) { p.dtype = -1; }, ATTNRES_ERROR_UNSUPPORTED_DTYPE, {"dtype"}},
+        {"device", [](attnres_params& p) { p.device = 9; }, ATTNRES_ERROR_UNSUPPORTED_DEVICE, {"device"}},
+        {"num_tokens", [](attnres_params& p) { p.num_tokens = -1; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"num_tokens", "-1"}},
+        {"dim", [](attnres_params& p) { p.dim = 0; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"dim"}},
+        {"rmsnorm", [](attnres_params& p) { p.rmsnorm = 2; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"rmsnorm"}},
+        {"scale inf", [](attnres_params& p) { p.scale = INFINITY; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"scale"}},
+        {"scale nan", [](attnres_params& p) { p.scale = NAN; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"scale"}},
+        {"eps < 0", [](attnres_params& p) { p.eps = -1e-3; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"eps"}},
+        {"eps nan", [](attnres_params& p) { p.eps = NAN; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"eps"}},
+        {"source_row_stride", [](attnres_params& p) { p.source_row_stride = kD - 1; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"source_row_stride", "12"}},
+        {"proj_weight NULL", [](attnres_params& p) { p.proj_weight = nullptr; }, ATTNRES_ERROR_NULL_POINTER, {"proj_weight"}},
+    };
+    for (const Rule& r : rules) {
+      attnres_params p = valid[k];
+      r.edit(p);
+      ExpectRejected(r.what, call, &p, r.status, r.words);
+    }
+    if (!attnres_cuda_available()) {
+      attnres_params p = valid[k];
+      p.device = ATTNRES_DEVICE_CUDA;
+      ExpectRejected("device CUDA without CUDA", call, &p, ATTNRES_ERROR_UNSUPPORTED_DEVICE, {"CUDA"});
+    }
+  }
+}
+
+TEST_F(TwoPhaseValidation, Phase1Rules) {
+  const std::pair<const char*, Call> calls[] = {{"phase1_forward", attnres_phase1_forward},
+                                                {"phase1_backward", attnres_phase1_backward}};
+  const attnres_params valid[] = {P1Forward(), P1Backward()};
+  std::vector<const void*> with_null = {blocks_[0].data(), blocks_[1].data(), nullptr};
+  for (int k = 0; k < 2; ++k) {
+    SCOPED_TRACE(calls[k].first);
+    const Call call = calls[k].second;
+    attnres_params p = valid[k];
+    p.num_blocks = 0;
+    ExpectRejected("num_blocks 0", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"num_blocks"});
+    p = valid[k];
+    p.partial = partial_.data();
+    ExpectRejected("partial in phase 1", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"partial"});
+    p = valid[k];
+    p.num_queries = 0;
+    ExpectRejected("num_queries 0", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"num_queries", "0"});
+    p = valid[k];
+    p.num_queries = -3;
+    ExpectRejected("num_queries < 0", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"num_queries", "-3"});
+    p = valid[k];
+    p.blocks = nullptr;
+    ExpectRejected("blocks NULL", call, &p, ATTNRES_ERROR_NULL_POINTER, {"blocks"});
+    p = valid[k];
+    p.blocks = with_null.data();
+    ExpectRejected("blocks[2] NULL", call, &p, ATTNRES_ERROR_NULL_POINTER, {"blocks[2]"});
+  }
+
+  // Forward only.
+  attnres_params p = P1Forward();
+  p.query_outs = nullptr;
+  ExpectRejected("query_outs NULL", attnres_phase1_forward, &p, ATTNRES_ERROR_NULL_POINTER, {"query_outs"});
+  p = P1Forward();
+  p.query_lses = nullptr;
+  ExpectRejected("query_lses NULL", attnres_phase1_forward, &p, ATTNRES_ERROR_NULL_POINTER, {"query_lses"});
+  std::vector<void*> outs_null = {outs_[0].data(), nullptr};
+  p = P1Forward();
+  p.query_outs = outs_null.data();
+  ExpectRejected("query_outs[1] NULL", attnres_phase1_forward, &p, ATTNRES_ERROR_NULL_POINTER, {"query_outs[1]"});
+  std::vector<void*> lses_null = {nullptr, lses_[1].data()};
+  p = P1Forward();
+  p.query_lses = lses_null.data();
+  ExpectRejected("query_lses[0] NULL", attnres_phase1_forward, &p, ATTNRES_ERROR_NULL_POINTER, {"query_lses[0]"});
+  p = P1Forward();
+  p.out_row_stride = kD - 2;
+  ExpectRejected("out_row_stride", attnres_phase1_forward, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"out_row_stride", "11"});
+
+  // Overlaps: outputs with each other and with inputs.
+  std::vector<void*> same_out = {outs_[0].data(), outs_[0].data()};
+  p = P1Forward();
+  p.query_outs = same_out.data();
+  ExpectRejected("query_outs[1] == query_outs[0]", attnres_phase1_forward, &p, ATTNRES_ERROR_OVERLAP, {"query_outs[0]", "query_outs[1]"});
+  std::vector<const void*> blocks_in_arena = {arena_.data(), blocks_[1].data(), blocks_[2].data()};
+  std::vector<void*> out_on_block = {arena_.data() + 7, outs_[1].data()};
+  p = P1Forward();
+  p.blocks = blocks_in_arena.data();
+  p.query_outs = out_on_block.data();
+  ExpectRejected("query_outs[0] overlaps blocks[0]", attnres_phase1_forward, &p, ATTNRES_ERROR_OVERLAP, {"query_outs[0]", "blocks[0]"});
+  std::vector<void*> lse_in_out = {outs_[1].data() + 3, lses_[1].data()};
+  p = P1Forward();
+  p.query_lses = lse_in_out.data();
+  ExpectRejected("query_lses[0] inside query_outs[1]", attnres_phase1_forward, &p, ATTNRES_ERROR_OVERLAP, {"query_lses[0]", "query_outs[1]"});
+  p = P1Forward();
+  p.proj_weight = arena_.data();
+  std::vector<void*> lse_in_w = {lses_[0].data(), arena_.data() + 1};
+  p.query_lses = lse_in_w.data();
+  ExpectRejected("query_lses[1] inside proj_weight", attnres_phase1_forward, &p, ATTNRES_ERROR_OVERLAP, {"query_lses[1]", "proj_weight"});
+}
+
+TEST_F(TwoPhaseValidation, Phase1BackwardRules) {
+  const Call call = attnres_phase1_backward;
+  attnres_params p = P1Backward();
+  p.grad_query_outs = nullptr;
+  ExpectRejected("grad_query_outs NULL", call, &p, ATTNRES_ERROR_NULL_POINTER, {"grad_query_outs"});
+  p = P1Backward();
+  p.accumulate_grads = 2;
+  ExpectRejected("accumulate_grads", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"accumulate_grads", "2"});
+  p = P1Backward();
+  p.rmsnorm = 0;
+  ExpectRejected("grad_gamma without rmsnorm", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_gamma"});
+  p = P1Backward();
+  p.grad_out_row_stride = kD - 1;
+  ExpectRejected("grad_out_row_stride", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_out_row_stride", "12"});
+  p = P1Backward();
+  p.grad_source_row_stride = 3;
+  ExpectRejected("grad_source_row_stride", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_source_row_stride", "3"});
+
+  // Overlaps.
+  std::vector<void*> on_block = {gblocks_[0].data(), const_cast<float*>(blocks_[1].data()) , gblocks_[2].data()};
+  p = P1Backward();
+  p.grad_blocks = on_block.data();
+  ExpectRejected("grad_blocks[1] == blocks[1]", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_blocks[1]", "blocks[1]"});
+  std::vector<void*> twice = {gblocks_[0].data(), gblocks_[0].data() + 2, gblocks_[2].data()};
+  p = P1Backward();
+  p.grad_blocks = twice.data();
+  ExpectRejected("grad_blocks[1] overlaps grad_blocks[0]", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_blocks[0]", "grad_blocks[1]"});
+  p = P1Backward();
+  p.grad_gamma = gw_.data() + 1;
+  ExpectRejected("grad_gamma overlaps grad_proj_weight", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_gamma", "grad_proj_weight"});
+  std::vector<const void*> gout_in_arena = {arena_.data(), gouts_[1].data()};
+  std::vector<void*> gb_on_gout = {gblocks_[0].data(), gblocks_[1].data(), arena_.data() + 5};
+  p = P1Backward();
+  p.grad_query_outs = gout_in_arena.data();
+  p.grad_blocks = gb_on_gout.data();
+  ExpectRejected("grad_blocks[2] overlaps grad_query_outs[0]", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_blocks[2]", "grad_query_outs[0]"});
+  std::vector<const void*> glse_in_arena = {arena_.data(), glses_[1].data()};
+  p = P1Backward();
+  p.grad_query_lses = glse_in_arena.data();
+  p.grad_proj_weight = arena_.data() + 1;
+  ExpectRejected("grad_proj_weight overlaps grad_query_lses[0]", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_proj_weight", "grad_query_lses[0]"});
+  p = P1Backward();
+  p.gamma = arena_.data();
+  p.grad_gamma = arena_.data() + kD;
+  ExpectRejected("grad_gamma overlaps gamma", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_gamma", "gamma"});
+}
+
+TEST_F(TwoPhaseValidation, Phase2Rules) {
+  const std::pair<const char*, Call> calls[] = {{"phase2_forward", attnres_phase2_forward},
+                                                {"phase2_backward", attnres_phase2_backward}};
+  const attnres_params valid[] = {P2Forward(), P2Backward()};
+  std::vector<const void*> some_blocks = {blocks_[0].data()};
+  for (int k = 0; k < 2; ++k) {
+    SCOPED_TRACE(calls[k].first);
+    const Call call = calls[k].second;
+    attnres_params p = valid[k];
+    p.num_blocks = 1;
+    p.blocks = some_blocks.data();
+    ExpectRejected("num_blocks != 0", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"num_blocks"});
+    p = valid[k];
+    p.query_out = nullptr;
+    ExpectRejected("query_out NULL", call, &p, ATTNRES_ERROR_NULL_POINTER, {"query_out"});
+    p = valid[k];
+    p.query_lse = nullptr;
+    ExpectRejected("query_lse NULL with partial", call, &p, ATTNRES_ERROR_NULL_POINTER, {"query_lse"});
+    p = valid[k];
+    p.input_norm = 2;
+    ExpectRejected("input_norm 2", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"input_norm", "2"});
+    p = valid[k];
+    p.norm_eps = -1;
+    ExpectRejected("norm_eps < 0", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"norm_eps"});
+    p = valid[k];
+    p.norm_eps = INFINITY;
+    ExpectRejected("norm_eps inf", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"norm_eps"});
+    p = valid[k];
+    p.norm_eps = NAN;
+    ExpectRejected("norm_eps nan", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"norm_eps"});
+    p = valid[k];
+    p.input_norm = 0;
+    p.grad_norm_weight = nullptr;
+    ExpectRejected("norm_weight without input_norm", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"norm_weight"});
+    p = valid[k];
+    p.source_row_stride = kD - 1;
+    ExpectRejected("source_row_stride", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"source_row_stride"});
+  }
+
+  // Forward only.
+  attnres_params p = P2Forward();
+  p.out = nullptr;
+  ExpectRejected("out NULL", attnres_phase2_forward, &p, ATTNRES_ERROR_NULL_POINTER, {"out"});
+  p = P2Forward();
+  p.out_row_stride = 4;
+  ExpectRejected("out_row_stride", attnres_phase2_forward, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"out_row_stride", "4"});
+  p = P2Forward();
+  p.partial = arena_.data();
+  p.out = arena_.data() + kD;
+  ExpectRejected("out overlaps partial", attnres_phase2_forward, &p, ATTNRES_ERROR_OVERLAP, {"out", "partial"});
+  p = P2Forward();
+  p.query_out = arena_.data();
+  p.out = arena_.data();
+  ExpectRejected("out == query_out", attnres_phase2_forward, &p, ATTNRES_ERROR_OVERLAP, {"out", "query_out"});
+  p = P2Forward();
+  p.norm_weight = arena_.data() + 3;
+  p.out = arena_.data();
+  ExpectRejected("out overlaps norm_weight", attnres_phase2_forward, &p, ATTNRES_ERROR_OVERLAP, {"out", "norm_weight"});
+  p = P2Forward();
+  p.query_lse = arena_.data() + 2;
+  p.out = arena_.data();
+  ExpectRejected("out overlaps query_lse", attnres_phase2_forward, &p, ATTNRES_ERROR_OVERLAP, {"out", "query_lse"});
+}
+
+TEST_F(TwoPhaseValidation, Phase2BackwardRules) {
+  const Call call = attnres_phase2_backward;
+  attnres_params p = P2Backward();
+  p.grad_out = nullptr;
+  ExpectRejected("grad_out NULL", call, &p, ATTNRES_ERROR_NULL_POINTER, {"grad_out"});
+  p = P2Backward();
+  p.grad_out_row_stride = kD - 1;
+  ExpectRejected("grad_out_row_stride", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_out_row_stride"});
+  p = P2Backward();
+  p.grad_source_row_stride = kD - 1;
+  ExpectRejected("grad_source_row_stride", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_source_row_stride"});
+  p = P2Backward();
+  p.partial = nullptr;
+  ExpectRejected("grad_partial without partial", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_partial"});
+  p = P2Backward();
+  p.rmsnorm = 0;
+  ExpectRejected("grad_gamma without rmsnorm", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_gamma"});
+  p = P2Backward();
+  p.input_norm = 0;
+  p.norm_weight = nullptr;
+  ExpectRejected("grad_norm_weight without input_norm", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_norm_weight"});
+
+  // Overlaps.
+  p = P2Backward();
+  p.grad_partial = gq_.data() + 1;
+  ExpectRejected("grad_partial overlaps grad_query_out", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_partial", "grad_query_out"});
+  p = P2Backward();
+  p.partial = arena_.data();
+  p.grad_partial = arena_.data();
+  ExpectRejected("grad_partial == partial", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_partial", "partial"});
+  p = P2Backward();
+  p.grad_out = arena_.data();
+  p.grad_query_out = arena_.data() + 4;
+  ExpectRejected("grad_query_out overlaps grad_out", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_query_out", "grad_out"});
+  p = P2Backward();
+  p.query_lse = arena_.data();
+  p.grad_query_lse = arena_.data() + 1;
+  ExpectRejected("grad_query_lse overlaps query_lse", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_query_lse", "query_lse"});
+  p = P2Backward();
+  p.grad_norm_weight = gw2_.data();
+  ExpectRejected("grad_norm_weight == grad_proj_weight", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_norm_weight", "grad_proj_weight"});
+  p = P2Backward();
+  p.norm_weight = arena_.data();
+  p.grad_gamma = arena_.data() + 2;
+  ExpectRejected("grad_gamma overlaps norm_weight", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_gamma", "norm_weight"});
+  p = P2Backward();
+  p.grad_query_lse = gp_.data() + 3;
+  ExpectRejected("grad_query_lse inside grad_partial", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_query_lse", "grad_partial"});
+}
+
+}  // namespace
+}  // namespace attnres_test
