@@ -7,30 +7,34 @@
 # the logs next to it, and exits 1 unless every stage passed. Every stage is
 # time-boxed; with the defaults the whole run stays under 9 minutes.
 #
-# Usage: scripts/gpu_check.sh [--prebuilt DIR] [--build-only] [--no-bench]
+# Usage: scripts/gpu_check.sh [--prebuilt DIR] [--build-only] [--no-bench] [--bench-only]
 #   --prebuilt DIR   skip the build: DIR holds attnres_tests and libattnres.so*
 #                    built elsewhere (e.g. `--build-only` with CUDA_ARCHS=90 on a
-#                    machine without a GPU, then carried over)
+#                    machine without a GPU, then carried over), or by a previous run
 #   --build-only     configure and build, nothing else (no GPU needed)
 #   --no-bench       stop after the tests and the sanitizer
+#   --bench-only     only the benchmark (with --prebuilt: a second, separate call)
 # Environment knobs:
 #   BUILD_DIR        build directory (default build-gpu-check)
 #   CUDA_ARCHS       architectures to compile; default: the compute capability
 #                    nvidia-smi reports (e.g. 90), else "native"
 #   SANITIZE         0 skips compute-sanitizer (reported as skipped, not passed)
-#   TEST_TIMEOUT_S   seconds for the GoogleTests (240)
+#   BUILD_TIMEOUT_S  seconds for the build (480; 3600 with --build-only)
+#   TEST_TIMEOUT_S   seconds for the GoogleTests (300)
+#   SANITIZER_TIMEOUT_S  seconds for each compute-sanitizer tool (120)
 #   BENCH_BUDGET_S   seconds after which bench baselines are skipped (150)
 #   BENCH_ARGS       extra arguments for bench/bench_cuda.py
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PREBUILT="" BUILD_ONLY=0 RUN_BENCH=1
+PREBUILT="" BUILD_ONLY=0 RUN_BENCH=1 RUN_TESTS=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --prebuilt) PREBUILT="$(cd "$2" && pwd)"; shift 2 ;;
     --build-only) BUILD_ONLY=1; shift ;;
     --no-bench) RUN_BENCH=0; shift ;;
-    *) echo "usage: $0 [--prebuilt DIR] [--build-only] [--no-bench]" >&2; exit 2 ;;
+    --bench-only) RUN_TESTS=0; shift ;;
+    *) echo "usage: $0 [--prebuilt DIR] [--build-only] [--no-bench] [--bench-only]" >&2; exit 2 ;;
   esac
 done
 BUILD_DIR="${BUILD_DIR:-$ROOT/build-gpu-check}"
@@ -76,12 +80,19 @@ if [ -z "$PREBUILT" ]; then
   # cmake/cuda.cmake prints this line when the CUDA backend is part of the build.
   if grep -q "attnres: CUDA backend on" "$LOG_DIR/configure.log"; then CUDA_IN_BUILD=1; fi
   if [ $CONFIGURE_RC -eq 0 ]; then
-    timeout 420 cmake --build "$BUILD_DIR" -j"$(nproc)" >"$LOG_DIR/build.log" 2>&1
+    BUILD_TIMEOUT_S="${BUILD_TIMEOUT_S:-$([ "$BUILD_ONLY" -eq 1 ] && echo 3600 || echo 480)}"
+    timeout "$BUILD_TIMEOUT_S" cmake --build "$BUILD_DIR" -j"$(nproc)" >"$LOG_DIR/build.log" 2>&1
     BUILD_RC=$?
   fi
 else
   CONFIGURE_RC=0 BUILD_RC=0
   [ -x "$BUILD_DIR/attnres_tests" ] && TESTS_BUILT=1
+  # A copy of a build folder may have lost the library's symlinks.
+  for lib in "$BUILD_DIR"/libattnres.so.*.*.*; do
+    [ -e "$lib" ] || continue
+    [ -e "$BUILD_DIR/libattnres.so.0" ] || ln -s "$(basename "$lib")" "$BUILD_DIR/libattnres.so.0"
+    [ -e "$BUILD_DIR/libattnres.so" ] || ln -s "$(basename "$lib")" "$BUILD_DIR/libattnres.so"
+  done
   # A string only the CUDA backend's code contains (src/cuda/runtime.cu).
   if grep -qa "ATTNRES_CUDA_MAX_CTAS" "$BUILD_DIR"/libattnres.so* 2>/dev/null; then CUDA_IN_BUILD=1; fi
 fi
@@ -91,9 +102,9 @@ export LD_LIBRARY_PATH="$BUILD_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 TEST_RC=-1
 GPU_TESTS=0
 [ "$BUILD_ONLY" -eq 0 ] && [ "$GPU_COUNT" -gt 0 ] && GPU_TESTS=1
-if [ "$BUILD_ONLY" -eq 0 ] && [ $BUILD_RC -eq 0 ] && [ $TESTS_BUILT -eq 1 ]; then
+if [ "$BUILD_ONLY" -eq 0 ] && [ "$RUN_TESTS" -eq 1 ] && [ $BUILD_RC -eq 0 ] && [ $TESTS_BUILT -eq 1 ]; then
   # With a GPU listed, "no device" is a failure (CudaBackend.DeviceIsPresentWhenExpected).
-  ATTNRES_EXPECT_CUDA=$GPU_TESTS timeout "${TEST_TIMEOUT_S:-240}" "$BUILD_DIR/attnres_tests" \
+  ATTNRES_EXPECT_CUDA=$GPU_TESTS timeout "${TEST_TIMEOUT_S:-300}" "$BUILD_DIR/attnres_tests" \
     --gtest_filter='Cuda*' --gtest_output="json:$LOG_DIR/gtest_cuda.json" \
     >"$LOG_DIR/gtest_cuda.log" 2>&1
   TEST_RC=$?
@@ -101,14 +112,14 @@ fi
 
 # --- 3. compute-sanitizer on the short case list --------------------------------
 SANITIZER_RESULTS=""
-if [ "$BUILD_ONLY" -eq 0 ] && [ "$GPU_TESTS" -eq 1 ] && [ $BUILD_RC -eq 0 ] && [ $TESTS_BUILT -eq 1 ]; then
+if [ "$RUN_TESTS" -eq 1 ] && [ "$GPU_TESTS" -eq 1 ] && [ $BUILD_RC -eq 0 ] && [ $TESTS_BUILT -eq 1 ]; then
   if [ "${SANITIZE:-1}" = "0" ]; then
     SANITIZER_RESULTS="all=skipped-by-request"
   elif ! command -v compute-sanitizer >/dev/null 2>&1; then
     SANITIZER_RESULTS="all=unavailable"
   else
     for tool in memcheck racecheck synccheck; do
-      timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 86 --print-limit 20 \
+      timeout "${SANITIZER_TIMEOUT_S:-120}" compute-sanitizer --tool "$tool" --error-exitcode 86 --print-limit 20 \
         "$BUILD_DIR/attnres_tests" --gtest_filter='CudaBackend.SanitizerCases' \
         >"$LOG_DIR/sanitizer_$tool.log" 2>&1
       SANITIZER_RESULTS="$SANITIZER_RESULTS $tool=$?"
@@ -133,7 +144,7 @@ export GC_TEST_RC=$TEST_RC GC_BENCH_RC=$BENCH_RC GC_LOG_DIR="$LOG_DIR"
 export GC_WALL=$(( $(date +%s) - START )) GC_CUDA_IN_BUILD=$CUDA_IN_BUILD
 export GC_GPU_COUNT=$GPU_COUNT GC_GPU_LIST="$GPU_LIST" GC_SMI_ERROR="${SMI_ERROR:-}" GC_ARCHS="$CUDA_ARCHS"
 export GC_DETECTED_ARCHS="$DETECTED_ARCHS" GC_SANITIZER="$SANITIZER_RESULTS"
-export GC_BUILD_ONLY=$BUILD_ONLY GC_RUN_BENCH=$RUN_BENCH GC_PREBUILT="$PREBUILT"
+export GC_BUILD_ONLY=$BUILD_ONLY GC_RUN_BENCH=$RUN_BENCH GC_RUN_TESTS=$RUN_TESTS GC_PREBUILT="$PREBUILT"
 python3 - "$OUT_DIR/gpu_check.json" <<'EOF'
 import json, os, re, sys
 
@@ -168,7 +179,8 @@ if rc("GC_BUILD_RC") != 0:
     failures.append(f"build failed (exit {rc('GC_BUILD_RC')}; 124: timed out)")
 if env["GC_CUDA_IN_BUILD"] != "1":
     failures.append("the CUDA backend is not part of the build (nvcc not found, or ATTNRES_CUDA off)")
-if not build_only and gpu_count > 0 and env["GC_TESTS_BUILT"] != "1":
+run_tests = env["GC_RUN_TESTS"] == "1"
+if not build_only and run_tests and gpu_count > 0 and env["GC_TESTS_BUILT"] != "1":
     failures.append("a GPU is listed but the GoogleTests were not built (GoogleTest missing?)")
 
 # Each test: passed / failed / skipped, with the skip reason (which carries the
@@ -199,7 +211,7 @@ for name, reason in skip_reasons.items():
     skipped_because.setdefault(reason, []).append(name)
 # Skipping is expected of this one test only, and only where a device is present.
 expected_skips = {"CudaBackend.UnavailableDeviceIsReported"}
-if not build_only and gpu_count > 0 and env["GC_TESTS_BUILT"] == "1":
+if not build_only and run_tests and gpu_count > 0 and env["GC_TESTS_BUILT"] == "1":
     if not tests:
         failures.append(f"the GoogleTests did not report (exit {rc('GC_TEST_RC')}; 124: timed out)")
     failed = sorted(n for n, s in tests.items() if s == "failed")

@@ -119,9 +119,9 @@ inline StatsPlacement PlaceBackwardStats(int64_t num_sources, Layout* layout) {
 // token order by one thread per element, whichever CTA runs it; the reduction
 // then sums the rows in a fixed order. So the bits depend on the problem only,
 // never on the grid, the SM count, the GPU model or timing (docs/CUDA.md).
-// The size trades the scratch traffic (two fp32 rows of D per chunk, about
-// 4 / (C (2L + 1)) of the backward's bytes in bf16) against the tail of the
-// last wave of work items (fewer, bigger items).
+// The size trades the scratch traffic (an fp32 row of D written and read back
+// per chunk: 4 / (C (2L + 1)) of the backward's bytes in bf16) against the tail
+// of the last wave of work items (fewer, bigger items).
 constexpr int64_t kTokensPerRow = 8;
 
 ATTNRES_PLAN_HD int64_t NumPartialRows(int64_t num_tokens) {
