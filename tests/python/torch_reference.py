@@ -150,3 +150,58 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
     if scale == 0.0:
         return diff
     return diff / scale
+
+
+# ---------------------------------------------------------------------------------
+# The two-phase schedule (SPEC section 5), plain float64 torch ops: autograd through
+# these functions is the oracle of every phase gradient. Inputs are upcast with
+# .to(F64), which keeps the autograd graph (pass float64 leaves to get gradients).
+#
+#   phase 1  (u_s = w_s * gamma_s; gamma ignored without RMSNorm; r_i = 1 without it)
+#       z_{s,i} = scale * dot(u_s, v_i) / r_i,  lse_s = logsumexp_i z_{s,i}
+#       o_s     = sum_i exp(z_{s,i} - lse_s) v_i
+#   phase 2  z_p = scale * dot(u, p) / r_p,  beta = sigmoid(lse - z_p)
+#       h = beta * o + (1 - beta) * p   (h = o without p)
+#       out = h, or h / sqrt(mean(h^2) + norm_eps) * norm_weight  (input_norm)
+# ---------------------------------------------------------------------------------
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """[...] from [..., D]: sqrt(mean_d(x^2) + eps)."""
+    return torch.sqrt((x * x).mean(dim=-1) + eps)
+
+
+def reference_phase1(blocks, w, gamma, scale, eps, rmsnorm):
+    """blocks: N x [..., D]; w, gamma: [S, D] (gamma None: ones).
+    Returns (outs: S x [..., D], lses: S x [...]), float64."""
+    v = torch.stack([b.to(F64) for b in blocks], dim=-2)           # [..., N, D]
+    u = w.to(F64)                                                   # [S, D]
+    if rmsnorm and gamma is not None:
+        u = u * gamma.to(F64)
+    r = _rms(v, eps) if rmsnorm else torch.ones(v.shape[:-1], dtype=F64)   # [..., N]
+    z = scale * torch.einsum("...nd,sd->...sn", v, u) / r.unsqueeze(-2)   # [..., S, N]
+    lse = torch.logsumexp(z, dim=-1)                                # [..., S]
+    a = torch.exp(z - lse.unsqueeze(-1))                            # [..., S, N]
+    o = torch.einsum("...sn,...nd->...sd", a, v)                    # [..., S, D]
+    num_queries = u.shape[0]
+    return [o[..., s, :] for s in range(num_queries)], [lse[..., s] for s in range(num_queries)]
+
+
+def reference_phase2(out, lse, partial, w, gamma, scale, eps, rmsnorm, norm_weight=None,
+                     input_norm=False, norm_eps=1e-6):
+    """out: [..., D] (o), lse: [...], partial: [..., D] or None, w, gamma, norm_weight: [D]
+    (None: ones). Returns h (or RMSNorm(h) * norm_weight with input_norm), [..., D] float64."""
+    h = out.to(F64)                                                 # [..., D]
+    if partial is not None:
+        p = partial.to(F64)                                         # [..., D]
+        u = w.to(F64)                                               # [D]
+        if rmsnorm and gamma is not None:
+            u = u * gamma.to(F64)
+        r_p = _rms(p, eps) if rmsnorm else torch.ones(p.shape[:-1], dtype=F64)   # [...]
+        z_p = scale * (p * u).sum(dim=-1) / r_p                     # [...]
+        beta = torch.sigmoid(lse.to(F64) - z_p).unsqueeze(-1)       # [..., 1]
+        h = beta * h + (1 - beta) * p
+    if input_norm:
+        h = h / _rms(h, norm_eps).unsqueeze(-1)
+        if norm_weight is not None:
+            h = h * norm_weight.to(F64)
+    return h
