@@ -369,14 +369,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--residual", choices=["plain", "block", "full"], default="block")
     a("--block-size", type=int, default=4,
       help="sub-layers per block for --residual block (a layer has two sub-layers)")
-    a("--dim", type=int, default=128)
+    a("--dim", type=int, default=96)
     a("--depth", type=int, default=8, help="transformer layers (2 sub-layers each)")
     a("--heads", type=int, default=4)
     a("--context", type=int, default=128, help="bytes per training window")
     a("--batch", type=int, default=16)
-    a("--steps", type=int, default=2000)
+    a("--steps", type=int, default=800)
     a("--lr", type=float, default=2e-3, help="peak learning rate")
-    a("--warmup", type=int, default=100, help="linear warmup steps")
+    a("--warmup", type=int, default=50, help="linear warmup steps")
     a("--min-lr-ratio", type=float, default=0.1, help="final lr of the cosine / peak lr")
     a("--weight-decay", type=float, default=0.1)
     a("--grad-clip", type=float, default=1.0, help="max global grad norm (0: off)")
@@ -384,12 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
       help="bf16: autocast the matmuls to bf16; parameters and residual stream stay fp32")
     a("--compile", action="store_true", help="torch.compile the model")
     a("--seed", type=int, default=0, help="weights and data order")
-    a("--eval-every", type=int, default=100, help="steps between evaluations/checkpoints")
+    a("--eval-every", type=int, default=50, help="steps between evaluations/checkpoints")
     a("--eval-batches", type=int, default=16, help="fixed validation batches per evaluation")
     a("--threads", type=int, default=0, help="torch and attnres threads (0: their default)")
-    a("--data", default=None, help="directory of .py files or one file (default: stdlib)")
-    a("--name", default=None, help="run name (default from the config)")
-    a("--out", default=None, help="run directory (default runs/<name>)")
+    a("--data", default=None, help="train on this directory of .py files (or one file), not the stdlib")
+    a("--name", default=None, help="run name (None: made from the config)")
+    a("--out", default=None, help="run directory (None: runs/<name>)")
     a("--quick", action="store_true", help="a tiny config for a smoke test: " +
       " ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     a("--resume", metavar="DIR", default=None,
@@ -508,7 +508,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         random.seed(cfg.seed)
         step = 0
         clock = {"train_s": 0.0, "wall_s": 0.0}        # accumulated over all sessions
-        interval = {"loss_sum": 0.0, "steps": 0, "tokens": 0, "train_s": 0.0}
+        interval = {"loss_sum": 0.0, "steps": 0, "tokens": 0, "train_s": 0.0, "cpu_s": 0.0}
         metrics_path.write_text("")
         shared = count_params(model.shared_modules())
         (out / "config.json").write_text(json.dumps({
@@ -546,11 +546,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                "val_loss": evaluate(),
                "lr": lr_at(max(step - 1, 0), cfg),
                "tokens_per_s": interval["tokens"] / interval["train_s"] if interval["train_s"] else 0.0,
+               # CPU seconds of all threads: on a shared machine, with --threads 1, a
+               # measure of cost that other processes disturb far less than wall time.
+               "tokens_per_cpu_s": interval["tokens"] / interval["cpu_s"] if interval["cpu_s"] else 0.0,
                "peak_rss_mb": round(peak_rss_mb(), 1)}
         with metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         progress.log(row)
-        interval.update(loss_sum=0.0, steps=0, tokens=0, train_s=0.0)
+        interval.update(loss_sum=0.0, steps=0, tokens=0, train_s=0.0, cpu_s=0.0)
 
     def checkpoint() -> None:
         save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -566,7 +569,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         log_eval()  # the loss at initialisation
     tokens_per_step = cfg.batch * cfg.context
     while step < cfg.steps:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -582,6 +585,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not math.isfinite(loss_value):
             raise SystemExit(f"step {step}: loss is {loss_value}")
         dt = time.perf_counter() - t0
+        interval["cpu_s"] += time.process_time() - cpu0
         step += 1
         clock["train_s"] += dt
         interval["loss_sum"] += loss_value
