@@ -24,6 +24,11 @@
 #   SANITIZER_TIMEOUT_S  seconds for each compute-sanitizer tool (120)
 #   BENCH_BUDGET_S   seconds after which bench baselines are skipped (150)
 #   BENCH_ARGS       extra arguments for bench/bench_cuda.py
+#   DEADLINE_S       wall-clock seconds for the whole run (default: none): every
+#                    stage's time box is cut to what is left, a stage with less
+#                    than 20 s left is not started (and counts as a failure), and
+#                    the report is always written. Use it when the caller kills
+#                    the command at a limit (e.g. DEADLINE_S=560 under 600 s).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -43,6 +48,18 @@ OUT_DIR="${OUT:-$BUILD_DIR}"
 LOG_DIR="$OUT_DIR/gpu_check_logs"
 mkdir -p "$LOG_DIR"
 START=$(date +%s)
+NOT_RUN=""
+# The time box of a stage: its own, cut to what DEADLINE_S leaves (15 s kept for
+# the report); prints 0 when fewer than 20 s would be left.
+time_box() {
+  local want=$1
+  if [ -n "${DEADLINE_S:-}" ]; then
+    local left=$(( DEADLINE_S - ($(date +%s) - START) - 15 ))
+    [ "$left" -lt "$want" ] && want=$left
+  fi
+  [ "$want" -lt 20 ] && want=0
+  echo "$want"
+}
 
 for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do
   [ -d "$d" ] && case ":$PATH:" in *":$d:"*) ;; *) export PATH="$PATH:$d" ;; esac
@@ -80,9 +97,13 @@ if [ -z "$PREBUILT" ]; then
   # cmake/cuda.cmake prints this line when the CUDA backend is part of the build.
   if grep -q "attnres: CUDA backend on" "$LOG_DIR/configure.log"; then CUDA_IN_BUILD=1; fi
   if [ $CONFIGURE_RC -eq 0 ]; then
-    BUILD_TIMEOUT_S="${BUILD_TIMEOUT_S:-$([ "$BUILD_ONLY" -eq 1 ] && echo 3600 || echo 480)}"
-    timeout "$BUILD_TIMEOUT_S" cmake --build "$BUILD_DIR" -j"$(nproc)" >"$LOG_DIR/build.log" 2>&1
-    BUILD_RC=$?
+    BOX=$(time_box "${BUILD_TIMEOUT_S:-$([ "$BUILD_ONLY" -eq 1 ] && echo 3600 || echo 480)}")
+    if [ "$BOX" -gt 0 ]; then
+      timeout "$BOX" cmake --build "$BUILD_DIR" -j"$(nproc)" >"$LOG_DIR/build.log" 2>&1
+      BUILD_RC=$?
+    else
+      NOT_RUN="$NOT_RUN build"
+    fi
   fi
 else
   CONFIGURE_RC=0 BUILD_RC=0
@@ -104,10 +125,15 @@ GPU_TESTS=0
 [ "$BUILD_ONLY" -eq 0 ] && [ "$GPU_COUNT" -gt 0 ] && GPU_TESTS=1
 if [ "$BUILD_ONLY" -eq 0 ] && [ "$RUN_TESTS" -eq 1 ] && [ $BUILD_RC -eq 0 ] && [ $TESTS_BUILT -eq 1 ]; then
   # With a GPU listed, "no device" is a failure (CudaBackend.DeviceIsPresentWhenExpected).
-  ATTNRES_EXPECT_CUDA=$GPU_TESTS timeout "${TEST_TIMEOUT_S:-300}" "$BUILD_DIR/attnres_tests" \
-    --gtest_filter='Cuda*' --gtest_output="json:$LOG_DIR/gtest_cuda.json" \
-    >"$LOG_DIR/gtest_cuda.log" 2>&1
-  TEST_RC=$?
+  BOX=$(time_box "${TEST_TIMEOUT_S:-300}")
+  if [ "$BOX" -gt 0 ]; then
+    ATTNRES_EXPECT_CUDA=$GPU_TESTS timeout "$BOX" "$BUILD_DIR/attnres_tests" \
+      --gtest_filter='Cuda*' --gtest_output="json:$LOG_DIR/gtest_cuda.json" \
+      >"$LOG_DIR/gtest_cuda.log" 2>&1
+    TEST_RC=$?
+  else
+    NOT_RUN="$NOT_RUN tests"
+  fi
 fi
 
 # --- 3. compute-sanitizer on the short case list --------------------------------
@@ -119,7 +145,9 @@ if [ "$RUN_TESTS" -eq 1 ] && [ "$GPU_TESTS" -eq 1 ] && [ $BUILD_RC -eq 0 ] && [ 
     SANITIZER_RESULTS="all=unavailable"
   else
     for tool in memcheck racecheck synccheck; do
-      timeout "${SANITIZER_TIMEOUT_S:-120}" compute-sanitizer --tool "$tool" --error-exitcode 86 --print-limit 20 \
+      BOX=$(time_box "${SANITIZER_TIMEOUT_S:-120}")
+      if [ "$BOX" -eq 0 ]; then NOT_RUN="$NOT_RUN sanitizer-$tool"; continue; fi
+      timeout "$BOX" compute-sanitizer --tool "$tool" --error-exitcode 86 --print-limit 20 \
         "$BUILD_DIR/attnres_tests" --gtest_filter='CudaBackend.SanitizerCases' \
         >"$LOG_DIR/sanitizer_$tool.log" 2>&1
       SANITIZER_RESULTS="$SANITIZER_RESULTS $tool=$?"
@@ -131,11 +159,19 @@ fi
 BENCH_RC=-1
 LIB="$(ls "$BUILD_DIR"/libattnres.so 2>/dev/null | head -n1)"
 if [ "$BUILD_ONLY" -eq 0 ] && [ "$RUN_BENCH" -eq 1 ] && [ "$GPU_TESTS" -eq 1 ] && [ $BUILD_RC -eq 0 ] && [ -n "$LIB" ]; then
-  # shellcheck disable=SC2086
-  PYTHONPATH="$ROOT/python" timeout $(( ${BENCH_BUDGET_S:-150} + 90 )) python3 "$ROOT/bench/bench_cuda.py" \
-    --lib "$LIB" --budget-s "${BENCH_BUDGET_S:-150}" ${BENCH_ARGS:-} \
-    >"$LOG_DIR/bench.json" 2>"$LOG_DIR/bench.log"
-  BENCH_RC=$?
+  BOX=$(time_box $(( ${BENCH_BUDGET_S:-150} + 90 )))
+  if [ "$BOX" -gt 0 ]; then
+    # Baselines stop once the budget is spent; attnres's own rows continue.
+    BUDGET=$(( BOX - 90 > 0 ? BOX - 90 : 0 ))
+    [ "$BUDGET" -gt "${BENCH_BUDGET_S:-150}" ] && BUDGET=${BENCH_BUDGET_S:-150}
+    # shellcheck disable=SC2086
+    PYTHONPATH="$ROOT/python" timeout "$BOX" python3 "$ROOT/bench/bench_cuda.py" \
+      --lib "$LIB" --budget-s "$BUDGET" ${BENCH_ARGS:-} \
+      >"$LOG_DIR/bench.json" 2>"$LOG_DIR/bench.log"
+    BENCH_RC=$?
+  else
+    NOT_RUN="$NOT_RUN bench"
+  fi
 fi
 
 # --- Report -------------------------------------------------------------------
@@ -145,6 +181,7 @@ export GC_WALL=$(( $(date +%s) - START )) GC_CUDA_IN_BUILD=$CUDA_IN_BUILD
 export GC_GPU_COUNT=$GPU_COUNT GC_GPU_LIST="$GPU_LIST" GC_SMI_ERROR="${SMI_ERROR:-}" GC_ARCHS="$CUDA_ARCHS"
 export GC_DETECTED_ARCHS="$DETECTED_ARCHS" GC_SANITIZER="$SANITIZER_RESULTS"
 export GC_BUILD_ONLY=$BUILD_ONLY GC_RUN_BENCH=$RUN_BENCH GC_RUN_TESTS=$RUN_TESTS GC_PREBUILT="$PREBUILT"
+export GC_NOT_RUN="$NOT_RUN"
 python3 - "$OUT_DIR/gpu_check.json" <<'EOF'
 import json, os, re, sys
 
@@ -171,7 +208,7 @@ def tail(name, n=40):
 rc = lambda name: int(env[name])
 gpu_count = int(env["GC_GPU_COUNT"])
 build_only = env["GC_BUILD_ONLY"] == "1"
-failures = []
+failures = [f"{stage} not run: DEADLINE_S reached" for stage in env["GC_NOT_RUN"].split()]
 
 if rc("GC_CONFIGURE_RC") != 0:
     failures.append(f"configure failed (exit {rc('GC_CONFIGURE_RC')})")
@@ -233,7 +270,8 @@ for tool, result in sanitizer.items():
     elif result != "0":
         failures.append(f"compute-sanitizer --tool {tool} exited {result} (86: reported errors; "
                         f"124: timed out): see sanitizer_{tool}.log")
-if not build_only and gpu_count > 0 and env["GC_RUN_BENCH"] == "1" and rc("GC_BENCH_RC") != 0:
+if (not build_only and gpu_count > 0 and env["GC_RUN_BENCH"] == "1" and "bench" not in env["GC_NOT_RUN"]
+        and rc("GC_BENCH_RC") != 0):
     failures.append(f"bench_cuda.py exited {rc('GC_BENCH_RC')}")
 
 report = {
