@@ -1,0 +1,378 @@
+"""attnres.nn.BlockAttnResStream (SPEC section 5: the residual stream of a Block
+AttnRes model) against a plain-torch twin written from the spec: the embedding is
+block b_0; sub-layer j reads a softmax mix over depth of the completed blocks and the
+partial block (the running sum of this block's sub-layer outputs) with query w[j]
+(then its input RMSNorm with norm_weight[j] when the stream owns it); after
+block_size sub-layers the partial block becomes a completed block; the output mixes
+everything with the last query w[L].
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import attnres.stream as stream_module
+from attnres.nn import BlockAttnResStream
+from model_reference import reference_block_attn_res
+from torch_reference import rel_err
+
+F64 = torch.float64
+D = 12
+
+
+def twin(embedding, sublayers, w, gamma, norm_weight, *, block_size, eps, scale, rmsnorm,
+         norm_eps, partial_dtype=None, inputs=None):
+    """The stream in plain torch: one single-op AttnRes (stack + softmax) per sub-layer.
+
+    partial_dtype: round each partial sum to this dtype in value (the gradient passes
+    unchanged), as a stream in that dtype does. inputs: a list that receives every
+    mix (the sub-layer inputs, then the output)."""
+    blocks, partial = [embedding], None
+
+    def mix(j):
+        g = gamma[j] if gamma is not None else None
+        h = reference_block_attn_res(blocks, partial, w[j], g, eps=eps, scale=scale,
+                                     rmsnorm=rmsnorm)
+        if norm_weight is not None:
+            h = F.rms_norm(h, (h.shape[-1],), weight=norm_weight[j], eps=norm_eps)
+        if inputs is not None:
+            inputs.append(h)
+        return h
+
+    for j, sublayer in enumerate(sublayers):
+        out = sublayer(mix(j))
+        partial = out if partial is None else partial + out
+        if partial_dtype is not None:
+            partial = partial + (partial.detach().to(partial_dtype).to(partial.dtype)
+                                 - partial.detach())
+        if (j + 1) % block_size == 0:
+            blocks.append(partial)
+            partial = None
+    return mix(len(sublayers))
+
+
+def make_sublayers(num, dtype=F64, seed=0):
+    torch.manual_seed(seed)
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(num))
+    return layers.to(dtype)
+
+
+def randomize(res, seed=1):
+    """Non-trivial queries and weights (the defaults are uniform attention)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        res.w.copy_(torch.randn(res.w.shape, generator=g, dtype=F64) * 0.6)
+        for p in (res.gamma, res.norm_weight):
+            if p is not None:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g, dtype=F64))
+
+
+def run_stream(res, embedding, sublayers, wrap=None):
+    stream = res.begin(embedding)
+    for layer in sublayers:
+        f = layer if wrap is None else wrap(layer)
+        stream.add(f(stream.next_input()))
+    return stream.finish()
+
+
+def stream_params(res):
+    return [p for p in (res.w, res.gamma, res.norm_weight) if p is not None]
+
+
+CONFIGS = {
+    "default": dict(),
+    "input_norm": dict(input_norm=True, norm_eps=1e-5, scale=0.8),
+    "input_norm_no_gamma": dict(input_norm=True, gamma=False, eps=0.1),
+    "rmsnorm_off": dict(rmsnorm=False, scale=1.3),
+    "rmsnorm_off_input_norm": dict(rmsnorm=False, input_norm=True),
+}
+# (num_sublayers, block_size): full AttnRes (1), blocks of 2 and 3 that end inside the
+# model or exactly at its end, and a block longer than the model.
+SIZES = [(5, 1), (5, 2), (5, 3), (5, 7), (6, 2), (6, 3)]
+TWIN_CASES = ([("default", s) for s in SIZES] + [("input_norm", s) for s in SIZES]
+              + [("input_norm_no_gamma", s) for s in ((5, 1), (5, 3), (6, 2))]
+              + [("rmsnorm_off", s) for s in ((5, 2), (5, 7), (6, 3))]
+              + [("rmsnorm_off_input_norm", s) for s in ((5, 1), (5, 3), (6, 2))])
+
+
+@pytest.mark.parametrize("schedule", ["two_phase", "per_layer"])
+@pytest.mark.parametrize("config,sizes", TWIN_CASES,
+                         ids=[f"{c}-L{s[0]}-bs{s[1]}" for c, s in TWIN_CASES])
+def test_matches_plain_torch_twin_fp64(config, sizes, schedule):
+    num, block_size = sizes
+    kw = CONFIGS[config]
+    res = BlockAttnResStream(D, num, block_size, schedule=schedule, dtype=F64, **kw)
+    randomize(res)
+    layers = make_sublayers(num)
+    g = torch.Generator().manual_seed(2)
+    emb = torch.randn(2, 5, D, generator=g, dtype=F64, requires_grad=True)
+    gy = torch.randn(2, 5, D, generator=g, dtype=F64)
+
+    y = run_stream(res, emb, layers)
+    y_ref = twin(emb, layers, res.w, res.gamma, res.norm_weight, block_size=block_size,
+                 eps=res.eps, scale=res.scale, rmsnorm=res.rmsnorm, norm_eps=res.norm_eps)
+    assert y.dtype == F64 and y.shape == emb.shape
+    assert rel_err(y, y_ref) <= 1e-12
+
+    params = [emb] + stream_params(res) + list(layers.parameters())
+    names = (["embedding"] + [n for n in ("w", "gamma", "norm_weight")
+                              if getattr(res, n) is not None]
+             + [f"sublayer.{n}" for n, _ in layers.named_parameters()])
+    grads = torch.autograd.grad((y * gy).sum(), params)
+    ref_grads = torch.autograd.grad((y_ref * gy).sum(), params)
+    for name, a, b in zip(names, grads, ref_grads):
+        err = rel_err(a, b)
+        assert err <= 1e-10, f"d{name}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("sizes", [(5, 2), (6, 3), (4, 1), (3, 5)], ids=lambda s: f"L{s[0]}-bs{s[1]}")
+def test_phase1_runs_once_per_block_of_sublayers(sizes, monkeypatch):
+    """SPEC section 5: phase 1 once per block of sub-layers (the final query joins the
+    last block's phase 1 when no block completes in between); per_layer never runs it."""
+    num, block_size = sizes
+    calls = []
+    real = stream_module.block_attn_res_phase1
+
+    def spy(blocks, w, *args, **kwargs):
+        calls.append((len(blocks), w.shape[0]))
+        return real(blocks, w, *args, **kwargs)
+
+    monkeypatch.setattr(stream_module, "block_attn_res_phase1", spy)
+    emb = torch.randn(2, 3, D, dtype=F64)
+    layers = make_sublayers(num)
+    for schedule in ("two_phase", "per_layer"):
+        calls.clear()
+        res = BlockAttnResStream(D, num, block_size, schedule=schedule, dtype=F64)
+        with torch.no_grad():
+            run_stream(res, emb, layers)
+        if schedule == "per_layer":
+            assert calls == []
+            continue
+        # Blocks of sub-layers: queries [k*bs, (k+1)*bs) over 1 + k completed blocks.
+        expected = []
+        for k, first in enumerate(range(0, num, block_size)):
+            queries = min(block_size, num - first)
+            if first + queries == num and num % block_size != 0:
+                queries += 1  # the final query mixes the same blocks
+            expected.append((1 + k, queries))
+        if num % block_size == 0:
+            expected.append((1 + num // block_size, 1))  # the final mix on its own
+        assert calls == expected
+        assert sum(s for _, s in calls) == num + 1
+
+
+@pytest.mark.parametrize("config", ["default", "input_norm", "rmsnorm_off"])
+def test_schedules_agree_in_bf16(config):
+    """two_phase and per_layer in bf16 (fp32 parameters, as in mixed-precision training).
+
+    SPEC section 5 holds the schedule to section 3 "against the float64 single op on the
+    same sources". So that both schedules see the same sources, each sub-layer returns a
+    fixed bf16 tensor c_j (a leaf): then every mix x_j (each next_input() and finish())
+    and every gradient of <gy_j, x_j> (embedding, c_k, w, gamma, norm_weight) is checked
+    against the float64 twin on the same bf16 values: 8e-3 for x_j, 1e-2 for gradients.
+    The two schedules then agree within twice that (one error on each side).
+    (Through real bf16 sub-layers the schedules' rounding differences compound layer
+    after layer: a whole-model comparison measures the model, not the op.)"""
+    num, block_size = 7, 3
+    bf16 = torch.bfloat16
+    kw = CONFIGS[config]
+    g = torch.Generator().manual_seed(3)
+    emb = torch.randn(4, 8, D, generator=g).to(bf16)
+    cs = [(0.7 * torch.randn(4, 8, D, generator=g)).to(bf16) for _ in range(num)]
+    gys = [torch.randn(4, 8, D, generator=g).to(bf16) for _ in range(num + 1)]
+
+    per_schedule = {}
+    for schedule in ("two_phase", "per_layer"):
+        res = BlockAttnResStream(D, num, block_size, schedule=schedule, **kw)
+        randomize(res)
+        e = emb.clone().requires_grad_(True)
+        c = [x.clone().requires_grad_(True) for x in cs]
+        stream = res.begin(e)
+        xs = []
+        for j in range(num):
+            xs.append(stream.next_input())
+            stream.add(c[j])
+        xs.append(stream.finish())
+        leaves = [e] + c + stream_params(res)
+        grads = [torch.autograd.grad((x.float() * gy.float()).sum(), leaves, retain_graph=True,
+                                     allow_unused=True) for x, gy in zip(xs, gys)]
+
+        # The oracle: float64 leaves holding the same (bf16) values.
+        ref_params = [p.detach().to(bf16).to(F64).requires_grad_(True) for p in stream_params(res)]
+        it = iter(ref_params)
+        w_ref = next(it)
+        gamma_ref = next(it) if res.gamma is not None else None
+        nw_ref = next(it) if res.norm_weight is not None else None
+        e_ref = emb.to(F64).requires_grad_(True)
+        c_ref = [x.to(F64).requires_grad_(True) for x in cs]
+        xs_ref = []
+        twin(e_ref, [(lambda h, x=x: x) for x in c_ref], w_ref, gamma_ref, nw_ref,
+             block_size=block_size, eps=res.eps, scale=res.scale, rmsnorm=res.rmsnorm,
+             norm_eps=res.norm_eps, partial_dtype=bf16, inputs=xs_ref)
+        ref_leaves = [e_ref] + c_ref + ref_params
+        names = ["embedding"] + [f"c_{k}" for k in range(num)] + \
+            [n for n in ("w", "gamma", "norm_weight") if getattr(res, n) is not None]
+        for j, (x, x_ref, gy) in enumerate(zip(xs, xs_ref, gys)):
+            assert x.dtype == bf16
+            err = rel_err(x, x_ref)
+            assert err <= 8e-3, f"{schedule}: x_{j} relative error {err:.3g}"
+            ref_grads = torch.autograd.grad((x_ref * gy.to(F64)).sum(), ref_leaves,
+                                            retain_graph=True, allow_unused=True)
+            for name, a, r in zip(names, grads[j], ref_grads):
+                if r is None or not r.any():
+                    assert a is None or not a.any(), f"{schedule}: d{name} of x_{j} not zero"
+                    continue
+                err = rel_err(a, r)
+                assert err <= 1e-2, f"{schedule}: d{name} of x_{j}: relative error {err:.3g}"
+        per_schedule[schedule] = (xs, grads)
+
+    (xs2, g2), (xs1, g1) = per_schedule["two_phase"], per_schedule["per_layer"]
+    for j in range(num + 1):
+        assert rel_err(xs2[j], xs1[j]) <= 2 * 8e-3
+        for a, b in zip(g2[j], g1[j]):
+            if a is not None and b is not None and b.any():
+                assert rel_err(a, b) <= 2 * 1e-2
+
+
+class StreamModel(nn.Module):
+    def __init__(self, num, block_size, schedule, input_norm):
+        super().__init__()
+        self.res = BlockAttnResStream(D, num, block_size, schedule=schedule,
+                                      input_norm=input_norm, scale=0.9)
+        randomize(self.res)
+        self.layers = make_sublayers(num, dtype=torch.float32)
+
+    def forward(self, x):
+        return run_stream(self.res, x, self.layers)
+
+
+@pytest.mark.parametrize("schedule,input_norm", [("two_phase", True), ("per_layer", False)])
+def test_compiled_fullgraph_matches_eager(schedule, input_norm):
+    torch._dynamo.reset()
+    model = StreamModel(5, 2, schedule, input_norm)
+    x = torch.randn(2, 4, D)
+    gy = torch.randn(2, 4, D)
+    results = []
+    for m in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        xx = x.clone().requires_grad_(True)
+        y = m(xx)
+        grads = torch.autograd.grad((y * gy).sum(), [xx] + list(model.parameters()))
+        results.append((y.detach(), grads))
+    (y, grads), (cy, cgrads) = results
+    torch.testing.assert_close(cy, y)
+    for a, b in zip(cgrads, grads):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("schedule", ["two_phase", "per_layer"])
+def test_checkpointed_sublayers_give_the_same_gradients(schedule):
+    num, block_size = 5, 2
+    res = BlockAttnResStream(D, num, block_size, schedule=schedule, input_norm=True, dtype=F64)
+    randomize(res)
+    layers = make_sublayers(num)
+    emb = torch.randn(2, 3, D, dtype=F64)
+    results = []
+    for wrap in (None, lambda layer: (lambda x: checkpoint(layer, x, use_reentrant=False))):
+        e = emb.clone().requires_grad_(True)
+        y = run_stream(res, e, layers, wrap=wrap)
+        params = [e] + stream_params(res) + list(layers.parameters())
+        results.append((y.detach(), torch.autograd.grad(y.square().sum(), params)))
+    (y, grads), (cy, cgrads) = results
+    torch.testing.assert_close(cy, y, rtol=0, atol=0)
+    for a, b in zip(cgrads, grads):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
+
+
+# ---------------------------------------------------------------------------------
+# Misuse.
+# ---------------------------------------------------------------------------------
+
+@pytest.fixture(params=["two_phase", "per_layer"])
+def fresh(request):
+    res = BlockAttnResStream(D, 3, 2, schedule=request.param, dtype=F64)
+    emb = torch.randn(2, 3, D, dtype=F64)
+    return res, emb
+
+
+def test_next_input_twice_without_add(fresh):
+    res, emb = fresh
+    s = res.begin(emb)
+    s.next_input()
+    with pytest.raises(RuntimeError, match="next_input"):
+        s.next_input()
+
+
+def test_add_before_next_input(fresh):
+    res, emb = fresh
+    s = res.begin(emb)
+    with pytest.raises(RuntimeError, match="add"):
+        s.add(emb)
+    s.add(s.next_input())  # still usable
+    with pytest.raises(RuntimeError, match="add"):
+        s.add(emb)
+
+
+def test_more_sublayers_than_declared(fresh):
+    res, emb = fresh
+    s = res.begin(emb)
+    for _ in range(3):
+        s.add(s.next_input())
+    with pytest.raises(RuntimeError, match="3"):
+        s.next_input()
+
+
+def test_calls_after_finish(fresh):
+    res, emb = fresh
+    s = res.begin(emb)
+    for _ in range(3):
+        s.add(s.next_input())
+    s.finish()
+    for call in (s.next_input, s.finish, lambda: s.add(emb)):
+        with pytest.raises(RuntimeError, match="finish"):
+            call()
+
+
+def test_finish_early(fresh):
+    res, emb = fresh
+    s = res.begin(emb)
+    with pytest.raises(RuntimeError, match="finish"):
+        s.finish()
+    s.add(s.next_input())
+    x = s.next_input()
+    with pytest.raises(RuntimeError, match="finish"):
+        s.finish()  # awaiting add
+    s.add(x)
+    with pytest.raises(RuntimeError, match="finish"):
+        s.finish()  # 2 of 3
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "not_a_tensor"])
+def test_add_wrong_out(fresh, bad):
+    res, emb = fresh
+    s = res.begin(emb)
+    x = s.next_input()
+    out = {"shape": x[..., :-1], "dtype": x.float(), "not_a_tensor": [1.0]}[bad]
+    with pytest.raises(ValueError, match=r"\bout\b"):
+        s.add(out)
+    s.add(x)  # the failed add left the stream as it was
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(block_size=0), "block_size"), (dict(num_sublayers=0), "num_sublayers"),
+    (dict(schedule="fused"), "schedule"), (dict(eps=-1.0), "eps"),
+    (dict(scale=float("nan")), "scale")])
+def test_bad_construction(kwargs, name):
+    args = dict(dim=D, num_sublayers=3, block_size=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=name):
+        BlockAttnResStream(**args)
+
+
+def test_begin_with_wrong_embedding():
+    res = BlockAttnResStream(D, 3, 2)
+    with pytest.raises(ValueError, match="embedding"):
+        res.begin(torch.zeros(2, 3, D + 1))
