@@ -179,16 +179,21 @@ class SwiGLU(nn.Module):
 # ---------------------------------------------------------------------------------
 # Residual schemes
 #
-# All of the residual bookkeeping lives in these two classes, behind the interface of
-# attnres.nn.BlockAttnResStream (input_norm=True):
+# All of the residual bookkeeping lives behind the interface of
+# attnres.nn.BlockAttnResStream with input_norm=True:
 #     stream = residual.begin(embedding)
 #     for each sub-layer:  stream.add(sublayer(stream.next_input()))
 #     y = stream.finish()
 # next_input() and finish() return normalised tensors (each sub-layer's own pre-norm,
 # the final norm), so the sub-layers and the head carry no norms and are the same
-# modules for every scheme. When BlockAttnResStream lands, BlockAttnResidual below is
-# replaced by attnres.nn.BlockAttnResStream(dim, num_sublayers, block_size,
-# eps=eps, input_norm=True) in make_residual(); nothing else changes.
+# modules for every scheme. Block AttnRes comes in two implementations of one model
+# (same parameters up to layout, same init, equal within the kernels' tolerances):
+#   --attnres-impl stream   attnres.nn.BlockAttnResStream, the library's residual
+#                           stream (two-phase schedule: each completed block is read
+#                           once per block of sub-layers, not once per sub-layer);
+#   --attnres-impl modules  BlockAttnResidual below: one attnres.nn.BlockAttnRes per
+#                           sub-layer, as in docs/PYTORCH.md (for attnres builds
+#                           without the stream, and as a cross-check of it).
 # ---------------------------------------------------------------------------------
 
 class PlainResidual(nn.Module):
@@ -212,8 +217,7 @@ class _PlainStream:
         return self.owner.norms[self.i](self.h)
 
     def add(self, out: Tensor) -> None:
-        # The stream keeps the embedding's dtype (fp32) under bf16 autocast.
-        self.h = self.h + out.to(self.h.dtype)
+        self.h = self.h + out
         self.i += 1
 
     def finish(self) -> Tensor:
@@ -263,8 +267,6 @@ class _BlockStream:
         return self.owner.norms[self.i](h)
 
     def add(self, out: Tensor) -> None:
-        # All sources of one AttnRes must share a dtype: keep the embedding's (fp32).
-        out = out.to(self.blocks[0].dtype)
         self.partial = out if self.partial is None else self.partial + out
         self.i += 1
 
@@ -277,7 +279,10 @@ def make_residual(cfg: argparse.Namespace, num_sublayers: int) -> nn.Module:
     if cfg.residual == "plain":
         return PlainResidual(cfg.dim, num_sublayers)
     block_size = 1 if cfg.residual == "full" else cfg.block_size
-    return BlockAttnResidual(cfg.dim, num_sublayers, block_size)
+    if cfg.attnres_impl == "stream":
+        return attnres.nn.BlockAttnResStream(cfg.dim, num_sublayers, block_size, eps=1e-6,
+                                             input_norm=True)
+    return BlockAttnResidual(cfg.dim, num_sublayers, block_size, eps=1e-6)
 
 
 # ---------------------------------------------------------------------------------
@@ -321,9 +326,12 @@ class LM(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     def forward(self, tokens: Tensor) -> Tensor:                    # tokens [B, T]
-        stream = self.residual.begin(self.embed(tokens))
+        embedding = self.embed(tokens)
+        stream = self.residual.begin(embedding)
         for sublayer in self.sublayers:
-            stream.add(sublayer(stream.next_input()))
+            # Under bf16 autocast the sub-layers return bf16; the residual stream stays
+            # in the embedding's fp32 (and every source of one AttnRes shares a dtype).
+            stream.add(sublayer(stream.next_input()).to(embedding.dtype))
         return self.head(stream.finish())                            # [B, T, 256]
 
 
@@ -369,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--residual", choices=["plain", "block", "full"], default="block")
     a("--block-size", type=int, default=4,
       help="sub-layers per block for --residual block (a layer has two sub-layers)")
+    a("--attnres-impl", choices=["auto", "stream", "modules"], default="auto",
+      help="Block AttnRes through attnres.nn.BlockAttnResStream (stream) or one "
+      "attnres.nn.BlockAttnRes per sub-layer (modules); auto: stream if this attnres has it")
     a("--dim", type=int, default=96)
     a("--depth", type=int, default=8, help="transformer layers (2 sub-layers each)")
     a("--heads", type=int, default=4)
@@ -413,6 +424,8 @@ def parse_config(argv: Optional[list[str]]) -> argparse.Namespace:
             if key not in RUN_CONTROL:
                 setattr(cfg, key, saved[key])
         cfg.out = cfg.resume
+    if cfg.attnres_impl == "auto":  # resolved here, so config.json says which ran
+        cfg.attnres_impl = "stream" if hasattr(attnres.nn, "BlockAttnResStream") else "modules"
     if cfg.name is None:
         scheme = {"plain": "plain", "full": "full", "block": f"block{cfg.block_size}"}
         cfg.name = f"{scheme[cfg.residual]}-d{cfg.dim}-l{cfg.depth}-s{cfg.seed}"

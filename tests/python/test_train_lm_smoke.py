@@ -32,6 +32,15 @@ def run(script: Path, *args: str) -> None:
     assert proc.returncode == 0, f"{script.name} {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
 
 
+def import_train_lm():
+    sys.path.insert(0, str(TRAIN.parent))
+    try:
+        import train_lm
+    finally:
+        sys.path.remove(str(TRAIN.parent))
+    return train_lm
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -69,11 +78,7 @@ def test_quick_run_learns(runs, scheme):
 def test_shared_weights_identical_across_schemes():
     """With one seed, every scheme starts from the same embedding, sub-layers and head:
     only the residual's own parameters (norms, pseudo-queries) differ between them."""
-    sys.path.insert(0, str(TRAIN.parent))
-    try:
-        import train_lm
-    finally:
-        sys.path.remove(str(TRAIN.parent))
+    train_lm = import_train_lm()
     models = {s: train_lm.LM(train_lm.parse_config(["--quick", "--residual", s]))
               for s in SCHEMES}
     shared = {s: {k: v for k, v in m.state_dict().items() if not k.startswith("residual.")}
@@ -81,6 +86,34 @@ def test_shared_weights_identical_across_schemes():
     assert shared["plain"].keys() == shared["block"].keys() == shared["full"].keys()
     for key, value in shared["plain"].items():
         assert torch.equal(value, shared["block"][key]) and torch.equal(value, shared["full"][key]), key
+
+
+@pytest.mark.parametrize("scheme", ["block", "full"])
+def test_stream_equals_modules(scheme):
+    """--attnres-impl stream (attnres.nn.BlockAttnResStream, two-phase schedule) and
+    --attnres-impl modules (one BlockAttnRes per sub-layer) are one model: from the same
+    init they give the same loss and gradients on a batch, up to fp32 rounding."""
+    import attnres.nn
+    if not hasattr(attnres.nn, "BlockAttnResStream"):
+        pytest.skip("this attnres has no BlockAttnResStream")
+    train_lm = import_train_lm()
+    torch.manual_seed(0)
+    batch = torch.randint(0, 256, (4, 33))
+    results = {}
+    for impl in ("modules", "stream"):
+        model = train_lm.LM(train_lm.parse_config(
+            ["--quick", "--residual", scheme, "--block-size", "3", "--attnres-impl", impl]))
+        loss = train_lm.loss_fn(model, batch)
+        loss.backward()
+        residual_grads = [p.grad.flatten() for p in model.residual.parameters()]
+        shared_grads = [p.grad.flatten() for m in model.shared_modules() for p in m.parameters()]
+        results[impl] = (loss.item(), torch.cat(shared_grads), torch.cat(residual_grads).sum())
+    (loss_a, shared_a, sum_a), (loss_b, shared_b, sum_b) = results["modules"], results["stream"]
+    assert loss_a == pytest.approx(loss_b, rel=1e-6)
+    torch.testing.assert_close(shared_a, shared_b, rtol=1e-4, atol=1e-6)
+    # The residual parameters are laid out differently (per-sub-layer modules vs one
+    # [L + 1, D] tensor each), so compare the sums of their gradients.
+    assert sum_a.item() == pytest.approx(sum_b.item(), rel=1e-4, abs=1e-5)
 
 
 def test_resume_is_bit_identical(runs, tmp_path):
