@@ -248,7 +248,7 @@ class Phase1Abi {
   // initial: when non-empty, grad_blocks hold these values before the call (accumulate).
   Backward RunBackward(bool accumulate = false, const Vecs& initial = {},
                        const std::vector<int>& null_blocks = {}, bool skip_w = false,
-                       bool skip_gamma = false) {
+                       bool skip_gamma = false, bool grad_blocks_null = false) {
     for (size_t i = 0; i < gblocks_.size(); ++i) {
       gblocks_[i].Fill(kOutputSentinel);
       if (!initial.empty() && !Contains(null_blocks, static_cast<int>(i))) gblocks_[i].Write(initial[i]);
@@ -256,12 +256,16 @@ class Phase1Abi {
     gw_.Fill(kOutputSentinel);
     ggamma_.Fill(kOutputSentinel);
     std::vector<void*> gptrs = gblock_ptrs_;
-    for (int i : null_blocks) gptrs[i] = nullptr;
+    std::vector<int> skipped_blocks = null_blocks;
+    if (grad_blocks_null) {
+      for (int i = 0; i < static_cast<int>(gptrs.size()); ++i) skipped_blocks.push_back(i);
+    }
+    for (int i : skipped_blocks) gptrs[i] = nullptr;
     attnres_params p = Inputs();
     p.grad_query_outs = gout_ptrs_.data();
     p.grad_out_row_stride = c_.dim + c_.grad_out_pad;
     p.grad_query_lses = c_.grad_lses_array_null ? nullptr : glse_ptrs_.data();
-    p.grad_blocks = gptrs.data();
+    p.grad_blocks = grad_blocks_null ? nullptr : gptrs.data();
     p.grad_source_row_stride = c_.dim + c_.grad_source_pad;
     p.grad_proj_weight = skip_w ? nullptr : gw_.data();
     p.grad_gamma = skip_gamma || !c_.rmsnorm ? nullptr : ggamma_.data();
@@ -271,7 +275,7 @@ class Phase1Abi {
     b.status = attnres_phase1_backward(&p);
     b.error = b.status == ATTNRES_OK ? "" : attnres_last_error();
     for (size_t i = 0; i < gblocks_.size(); ++i) {
-      const bool skipped = Contains(null_blocks, static_cast<int>(i));
+      const bool skipped = Contains(skipped_blocks, static_cast<int>(i));
       b.grad_blocks.push_back(skipped ? Vec() : gblocks_[i].Read());
       if (skipped && !gblocks_[i].buffer().BytesAre(0, gblocks_[i].buffer().count(), kOutputSentinel)) {
         b.layout += "grad_blocks[" + std::to_string(i) + "] was NULL but its buffer was written; ";
@@ -615,6 +619,7 @@ void CheckPhase1(const Phase1Case& c) {
   const auto ref_f = attnres::ref::Phase1Forward(abi.ref);
   const auto ref_b = attnres::ref::Phase1Backward(abi.ref, abi.grad_outs, abi.grad_lses);
   const Tolerance tol = ToleranceFor(c.dtype);
+  ForEachIsa([&](const std::string&) {
   const auto f = abi.RunForward();
   ASSERT_EQ(f.status, ATTNRES_OK) << f.error;
   EXPECT_EQ(f.layout, "");
@@ -639,6 +644,12 @@ void CheckPhase1(const Phase1Case& c) {
     EXPECT_TRUE(Close("dv_1 (dv_0, dw skipped)", partial.grad_blocks[1], ref_b.grad_blocks[1], tol.grad));
     if (c.rmsnorm) EXPECT_TRUE(Close("dgamma (dw skipped)", partial.grad_gamma, ref_b.grad_gamma, tol.grad));
   }
+  // grad_blocks NULL: only the weight gradients.
+  const auto weights = abi.RunBackward(false, {}, {}, false, false, /*grad_blocks_null=*/true);
+  ASSERT_EQ(weights.status, ATTNRES_OK) << weights.error;
+  EXPECT_EQ(weights.layout, "");
+  EXPECT_TRUE(Close("dw (grad_blocks NULL)", weights.grad_w, ref_b.grad_w, tol.grad));
+  });
 }
 
 TEST(TwoPhaseAbi, Phase1MatchesReference) {
@@ -718,6 +729,7 @@ void CheckPhase2(const Phase2Case& c) {
   const Vec ref_out = attnres::ref::Phase2Forward(abi.ref);
   const auto ref_b = attnres::ref::Phase2Backward(abi.ref, abi.grad);
   const Tolerance tol = ToleranceFor(c.dtype);
+  ForEachIsa([&](const std::string&) {
   const auto f = abi.RunForward();
   ASSERT_EQ(f.status, ATTNRES_OK) << f.error;
   EXPECT_EQ(f.layout, "");
@@ -731,6 +743,7 @@ void CheckPhase2(const Phase2Case& c) {
   EXPECT_TRUE(Close("dw", b.grad_w, ref_b.grad_w, tol.grad));
   if (c.rmsnorm) EXPECT_TRUE(Close("dgamma", b.grad_gamma, ref_b.grad_gamma, tol.grad));
   if (c.input_norm) EXPECT_TRUE(Close("dnorm_weight", b.grad_norm_weight, ref_b.grad_norm_weight, tol.grad));
+  });
 }
 
 TEST(TwoPhaseAbi, Phase2MatchesReference) {
