@@ -761,3 +761,38 @@ def test_phase2_backward_bad_gradient():
         torch.ops.attnres.phase2_backward(torch.zeros(2, 3, 7), args["out"], args["lse"],
                                           args["partial"], args["w"], args["gamma"], None, 1e-6,
                                           1.0, True, False, 1e-6, [True] * 6)
+
+
+# ---------------------------------------------------------------------------------
+# Only some inputs require grad: the others get none, the rest are unchanged.
+# ---------------------------------------------------------------------------------
+
+def test_mixed_requires_grad():
+    g = torch.Generator().manual_seed(17)
+    blocks = [randn(g, 2, 3, 9) for _ in range(3)]
+    w = randn(g, 2, 9, std=0.4)
+    gamma = randn(g, 2, 9, mean=1.0, std=0.2)
+    p = randn(g, 2, 3, 9)
+    nw = randn(g, 9, mean=1.0, std=0.2)
+    grad = randn(g, 2, 3, 9)
+
+    def run(requires):
+        xs = [t.detach().clone().requires_grad_(r) for t, r in zip(blocks + [w, gamma, p, nw],
+                                                                  requires)]
+        outs, lses = block_attn_res_phase1(xs[:3], xs[3], xs[4], scale=0.8)
+        h = block_attn_res_phase2(outs[1], lses[1], xs[5], xs[3][1], xs[4][1], scale=0.8,
+                                  norm_weight=xs[6])
+        torch.autograd.backward([h, outs[0]], [grad, grad])
+        return [x.grad for x in xs]
+
+    full = run([True] * 7)
+    mixed = run([True, False, True, False, True, False, True])
+    for i, (a, b) in enumerate(zip(mixed, full)):
+        if i in (1, 3, 5):
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
+    # No gradient needed at all: a plain forward.
+    with torch.no_grad():
+        outs, lses = block_attn_res_phase1(blocks, w, gamma)
+    assert not outs[0].requires_grad and outs[0].grad_fn is None
