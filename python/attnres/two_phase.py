@@ -167,12 +167,14 @@ def phase2_forward(out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Tenso
     result = _native._new_output(out, tokens * dim * _native._ELEMENT_BYTES[out.dtype])
     if tokens == 0:
         return result
-    lse = lse.contiguous()
+    # Held in locals until the call returns: a temporary's storage would be freed
+    # before the library reads it.
+    lse, w = lse.contiguous(), w.contiguous()
     gamma = gamma.contiguous() if rmsnorm and gamma is not None else None
     norm_weight = norm_weight.contiguous() if input_norm and norm_weight is not None else None
     p = _params(**_common(out, tokens, dim, eps, scale, rmsnorm, function),
                 query_out=out.data_ptr(), query_lse=lse.data_ptr(), partial=_ptr(partial),
-                source_row_stride=stride, proj_weight=w.contiguous().data_ptr(),
+                source_row_stride=stride, proj_weight=w.data_ptr(),
                 gamma=_ptr(gamma), out=result.data_ptr(), out_row_stride=dim,
                 input_norm=1 if input_norm else 0, norm_eps=norm_eps,
                 norm_weight=_ptr(norm_weight))
@@ -194,8 +196,10 @@ def phase2_backward(grad: Tensor, out: Tensor, lse: Tensor, partial: Optional[Te
     _validate.grad_out(function, "grad", grad, out)
     out, partial, stride = _phase2_rows(out, partial)
     (grad,), grad_stride = _native._rows([grad], dim)
-    gamma = gamma if rmsnorm else None
-    norm_weight = norm_weight if input_norm else None
+    # Held in locals until the call returns (see phase2_forward).
+    lse, w = lse.contiguous(), w.contiguous()
+    gamma = gamma.contiguous() if rmsnorm and gamma is not None else None
+    norm_weight = norm_weight.contiguous() if input_norm and norm_weight is not None else None
     need_out, need_lse, need_partial, need_w, need_gamma, need_nw = need
     nbytes = tokens * dim * _native._ELEMENT_BYTES[out.dtype]
     grad_out = _native._new_output(out, nbytes) if need_out else None
@@ -212,12 +216,11 @@ def phase2_backward(grad: Tensor, out: Tensor, lse: Tensor, partial: Optional[Te
                 g.zero_()
         return result
     p = _params(**_common(out, tokens, dim, eps, scale, rmsnorm, function),
-                query_out=out.data_ptr(), query_lse=lse.contiguous().data_ptr(),
+                query_out=out.data_ptr(), query_lse=lse.data_ptr(),
                 partial=_ptr(partial), source_row_stride=stride,
-                proj_weight=w.contiguous().data_ptr(),
-                gamma=_ptr(gamma.contiguous() if gamma is not None else None),
+                proj_weight=w.data_ptr(), gamma=_ptr(gamma),
                 input_norm=1 if input_norm else 0, norm_eps=norm_eps,
-                norm_weight=_ptr(norm_weight.contiguous() if norm_weight is not None else None),
+                norm_weight=_ptr(norm_weight),
                 grad_out=grad.data_ptr(), grad_out_row_stride=grad_stride,
                 grad_query_out=_ptr(grad_out), grad_query_lse=_ptr(grad_lse),
                 grad_partial=_ptr(grad_partial), grad_source_row_stride=dim,
@@ -402,7 +405,8 @@ def block_attn_res_phase2(out: Tensor, lse: Tensor, partial: Optional[Tensor], w
     if norm_weight is not None and not input_norm:
         raise _validate.error(_PHASE2, "norm_weight", "None when input_norm=False",
                               "a tensor")
-    if partial is None and not input_norm:
+    _validate.phase2(_PHASE2, out, lse, partial, w, gamma, norm_weight, eps, scale, norm_eps)
+    if partial is None and not input_norm:  # h = out
         return out
     return torch.ops.attnres.phase2(out, lse, partial, w, gamma if rmsnorm else None,
                                     norm_weight, float(eps), float(scale), bool(rmsnorm),

@@ -685,31 +685,18 @@ def test_phase2_bad_inputs(case):
                               **kwargs)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "block_attn_res_phase2 returns `out` unchecked when partial is None and input_norm is "
-    "off: a wrong lse/w/gamma (shape or dtype) raises with a partial block but passes "
-    "silently without one"))
 def test_phase2_bad_inputs_without_partial():
     args = _valid2()
     with pytest.raises(ValueError, match=r"\bw\b"):
         block_attn_res_phase2(args["out"], args["lse"], None, torch.zeros(3, 3), None)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "block_attn_res_phase2 does not validate before calling torch.ops.attnres.phase2: a "
-    "non-tensor out/lse raises the dispatcher's RuntimeError (schema cast error), not a "
-    "ValueError naming the argument (block_attn_res_phase1 validates first)"))
 def test_phase2_non_tensor_out_raises_value_error():
     args = _valid2()
     with pytest.raises(ValueError, match=_names("out")):
         block_attn_res_phase2([1.0], args["lse"], args["partial"], args["w"], args["gamma"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "use after free in attnres/two_phase.py: phase2_forward passes "
-    "w.contiguous().data_ptr() and phase2_backward passes lse/w/gamma/norm_weight "
-    ".contiguous().data_ptr() inline to _params, so for a non-contiguous tensor the "
-    "temporary copy is freed before the native call reads it (wrong h and gradients)"))
 def test_phase2_non_contiguous_weights_and_lse():
     g = torch.Generator().manual_seed(16)
     out, p = randn(g, 2, 3, 8), randn(g, 2, 3, 8)
