@@ -104,8 +104,9 @@ TEST(CudaBackend, DeviceIsPresentWhenExpected) {
 
 // The sweep: every dtype, rows that land on every fused kernel (both
 // directions, each chunk count, a partial last chunk) and on the generic ones,
-// L in {1, 33, 1024}, weight gradients on and off, up to 20,000 tokens (so that
-// persistent CTAs take many work items); options cycle with the case index.
+// L in {1, 33, 1024} (1024 with rows up to 1600 wide), weight gradients on and
+// off, up to 20,000 tokens (so that persistent CTAs take many work items);
+// options cycle with the case index.
 struct SweepCase {
   Case c;
   bool use_caches;
@@ -130,6 +131,9 @@ std::vector<SweepCase> SweepCases() {
   for (attnres_dtype dtype : kAllDTypes) {
     for (int64_t D : SweepDims(dtype)) {
       for (int64_t L : {1, 33, 1024}) {
+        // Wide rows at L = 1024 would cost the float64 reference seconds each
+        // and cover nothing L = 33 does not.
+        if (L == 1024 && D > 1600) continue;
         for (bool weight_grads : {true, false}) {
           Case c;
           c.dtype = dtype;
