@@ -18,6 +18,9 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <memory>
 #include <string>
 #include <utility>
@@ -59,52 +62,164 @@ class Streams {
     }
   }
 
-  // One read-only pass: an integer sum into 8 independent accumulators, which
-  // the compiler vectorises (a float sum would be one dependent add per element
-  // and measure the adder; one accumulator measured ~15% less on the EPYC), over
-  // 4 quarters of the thread's share read side by side, each line prefetched
-  // 1 KB ahead, as the kernels read L rows at once with a software prefetch.
-  // On a Xeon (2 threads) one plain sequential stream measured 26 GB/s, 4
-  // quarters 30, with the prefetch 33: the kernels beat the weaker streams.
-  double ReadGbs(int threads) {
-    constexpr int kParts = 4;
-    constexpr int64_t kAheadWords = 1024 / sizeof(uint64_t);
+  // The strongest read and copy loops on this CPU, chosen once (best median of
+  // three passes each), so that no reference is weaker than what a plain loop at the
+  // CPU's own vector width reaches: the bench itself is compiled for baseline
+  // x86-64, whose 16-byte loop measured ~half of torch.sum on a Zen 4 EPYC.
+  void ChooseStrongest(int threads) {
+    const auto best = [&](int variants, const auto& pass) {
+      int winner = 0;
+      double winner_gbs = 0;
+      for (int v = 0; v < variants; ++v) {
+        if (!Supported(v)) continue;
+        std::vector<double> gbs;
+        for (int r = 0; r < 3; ++r) gbs.push_back(pass(v));
+        if (Median(gbs) > winner_gbs) winner = v, winner_gbs = Median(gbs);
+      }
+      return winner;
+    };
+    read_variant_ = best(kReadVariants, [&](int v) { return Read(v, threads); });
+    copy_variant_ = best(kCopyVariants, [&](int v) { return Copy(v, threads); });
+  }
+  const char* ReadName() const { return kReadNames[read_variant_]; }
+  const char* CopyName() const { return kCopyNames[copy_variant_]; }
+
+  double ReadGbs(int threads) { return Read(read_variant_, threads); }
+  double CopyGbs(int threads) { return Copy(copy_variant_, threads); }
+
+ private:
+  static constexpr int kReadVariants = 3, kCopyVariants = 2;
+  static constexpr const char* kReadNames[kReadVariants] = {"sum4x-prefetch", "sum-avx2",
+                                                            "sum-avx512"};
+  static constexpr const char* kCopyNames[kCopyVariants] = {"memcpy", "copy-avx2-nt"};
+
+  // Variant v (of reads: 1 = AVX2, 2 = AVX-512; of copies: 1 = AVX2) runs here.
+  static bool Supported(int v) {
+#if defined(__x86_64__)
+    if (v == 1) return __builtin_cpu_supports("avx2");
+    if (v == 2) return __builtin_cpu_supports("avx512f");
+    return true;
+#else
+    return v == 0;
+#endif
+  }
+
+  // One read-only pass of variant v.
+  //  0: an integer sum into 8 independent accumulators, which the compiler
+  //     vectorises (a float sum would be one dependent add per element and measure
+  //     the adder; one accumulator measured ~15% less on the EPYC), over 4 quarters
+  //     of the thread's share read side by side, each line prefetched 1 KB ahead,
+  //     as the kernels read L rows at once with a software prefetch. On a Xeon (2
+  //     threads) one plain sequential stream measured 26 GB/s, 4 quarters 30, with
+  //     the prefetch 33.
+  //  1, 2: one sequential stream summed with 4 vector accumulators of 32 / 64 bytes.
+  double Read(int v, int threads) {
     uint64_t total = 0;
     const double ms = TimeMs([&] {
 #pragma omp parallel num_threads(threads) reduction(+ : total)
       {
         const auto [begin, end] = Share(omp_get_thread_num(), threads);
-        const int64_t part = (end - begin) / kParts / 8 * 8;
-        uint64_t sums[8] = {};
-        for (int64_t k = begin; k < begin + part; k += 8) {
-          for (int q = 0; q < kParts; ++q) {
-            __builtin_prefetch(&a_[k + q * part + kAheadWords]);  // one line per 8 words
-            for (int j = 0; j < 8; ++j) sums[j] += a_[k + q * part + j];
-          }
-        }
-        for (int64_t k = begin + kParts * part; k < end; ++k) sums[0] += a_[k];
-        for (uint64_t s : sums) total += s;
+        total += v == 0 ? SumQuarters(a_.get() + begin, end - begin)
+                        : SumVectors(v, a_.get() + begin, end - begin);
       }
     });
     sink_ = total;
     return kBytes / ms / 1e6;
   }
-  // One copy, 1 GiB read + 1 GiB written (counted as 2 GiB), by the C library's
+
+  static uint64_t SumQuarters(const uint64_t* a, int64_t n) {
+    constexpr int kParts = 4;
+    constexpr int64_t kAheadWords = 1024 / sizeof(uint64_t);
+    const int64_t part = n / kParts / 8 * 8;
+    uint64_t sums[8] = {};
+    for (int64_t k = 0; k < part; k += 8) {
+      for (int q = 0; q < kParts; ++q) {
+        __builtin_prefetch(&a[k + q * part + kAheadWords]);  // one line per 8 words
+        for (int j = 0; j < 8; ++j) sums[j] += a[k + q * part + j];
+      }
+    }
+    for (int64_t k = kParts * part; k < n; ++k) sums[0] += a[k];
+    uint64_t total = 0;
+    for (uint64_t s : sums) total += s;
+    return total;
+  }
+
+  static uint64_t SumVectors(int v, const uint64_t* a, int64_t n) {
+#if defined(__x86_64__)
+    return v == 1 ? SumAvx2(a, n) : SumAvx512(a, n);
+#else
+    (void)v;
+    return SumQuarters(a, n);
+#endif
+  }
+
+#if defined(__x86_64__)
+  __attribute__((target("avx2"))) static uint64_t SumAvx2(const uint64_t* a, int64_t n) {
+    __m256i acc[4] = {};
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+      for (int j = 0; j < 4; ++j) {
+        acc[j] = _mm256_add_epi64(acc[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + k + 4 * j)));
+      }
+    }
+    alignas(32) uint64_t lanes[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
+                       _mm256_add_epi64(_mm256_add_epi64(acc[0], acc[1]), _mm256_add_epi64(acc[2], acc[3])));
+    uint64_t total = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    for (; k < n; ++k) total += a[k];
+    return total;
+  }
+
+  __attribute__((target("avx512f"))) static uint64_t SumAvx512(const uint64_t* a, int64_t n) {
+    __m512i acc[4] = {};
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32) {
+      for (int j = 0; j < 4; ++j) {
+        acc[j] = _mm512_add_epi64(acc[j], _mm512_loadu_si512(a + k + 8 * j));
+      }
+    }
+    uint64_t total = _mm512_reduce_add_epi64(
+        _mm512_add_epi64(_mm512_add_epi64(acc[0], acc[1]), _mm512_add_epi64(acc[2], acc[3])));
+    for (; k < n; ++k) total += a[k];
+    return total;
+  }
+
+  // 32-byte loads and non-temporal stores (the kernels' large outputs take them too).
+  __attribute__((target("avx2"))) static void CopyAvx2(uint64_t* b, const uint64_t* a, int64_t n) {
+    int64_t k = 0;
+    for (; k < n && reinterpret_cast<uintptr_t>(b + k) % 32 != 0; ++k) b[k] = a[k];
+    for (; k + 4 <= n; k += 4) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(b + k),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + k)));
+    }
+    for (; k < n; ++k) b[k] = a[k];
+    _mm_sfence();
+  }
+#endif
+
+  // One copy, 1 GiB read + 1 GiB written (counted as 2 GiB). 0: the C library's
   // memcpy, which writes this size with non-temporal stores as the kernels write
-  // large outputs. (A plain loop of stores, STREAM's Copy, also reads every
-  // destination line first: ~30% less here, and not what the kernels do.)
-  double CopyGbs(int threads) {
+  // large outputs (a plain loop of stores, STREAM's Copy, also reads every
+  // destination line first: ~30% less here, and not what the kernels do); 1: an
+  // AVX2 loop of non-temporal stores.
+  double Copy(int v, int threads) {
     const double ms = TimeMs([&] {
 #pragma omp parallel num_threads(threads)
       {
         const auto [begin, end] = Share(omp_get_thread_num(), threads);
-        std::memcpy(b_.get() + begin, a_.get() + begin, (end - begin) * sizeof(uint64_t));
+#if defined(__x86_64__)
+        if (v == 1) {
+          CopyAvx2(b_.get() + begin, a_.get() + begin, end - begin);
+        } else
+#endif
+        {
+          std::memcpy(b_.get() + begin, a_.get() + begin, (end - begin) * sizeof(uint64_t));
+        }
       }
     });
     return 2 * kBytes / ms / 1e6;
   }
 
- private:
   // Thread t's words: a contiguous share, a multiple of 8 long.
   static std::pair<int64_t, int64_t> Share(int t, int threads) {
     return {kWords / 8 * t / threads * 8, kWords / 8 * (t + 1) / threads * 8};
@@ -112,6 +227,7 @@ class Streams {
 
   std::unique_ptr<uint64_t[]> a_, b_;
   volatile uint64_t sink_ = 0;
+  int read_variant_ = 0, copy_variant_ = 0;  // ChooseStrongest
 };
 
 // A kernel timed `repeat` times after a warm-up (page faults, caches), each run
@@ -315,6 +431,7 @@ int Main(const Options& options) {
   const int repeat = std::max(1, options.repeat);
   const bool json = options.json;
   Streams streams;
+  streams.ChooseStrongest(threads);
   auto read_gbs = [&] { return streams.ReadGbs(threads); };
   auto copy_gbs = [&] { return streams.CopyGbs(threads); };
 
@@ -338,8 +455,9 @@ int Main(const Options& options) {
   std::vector<Row> rows;
   if (!json) {
     std::printf("attnres bench: isa %s, %d threads, median of %d; frac = GB/s over the stream "
-                "(read for fwd, copy for bwd) timed just before each run\n",
-                attnres_cpu_isa(), threads, repeat);
+                "(read for fwd, copy for bwd) timed just before each run; the strongest "
+                "streams here: read %s, copy %s\n",
+                attnres_cpu_isa(), threads, repeat, streams.ReadName(), streams.CopyName());
     std::printf("%-5s %5s %4s %6s | %9s %7s %7s %5s %8s | %9s %7s %7s %5s %8s\n", "dtype", "D",
                 "L", "tokens", "fwd ms", "GB/s", "read", "frac", "vs seed", "bwd ms", "GB/s",
                 "copy", "frac", "vs seed");
@@ -426,8 +544,9 @@ int Main(const Options& options) {
                                           [&] { return 1 / streams.CopyGbs(threads); }, repeat);
 
   if (json) {
-    std::printf("{\"isa\": \"%s\", \"threads\": %d, \"repeat\": %d, \"rows\": [",
-                attnres_cpu_isa(), threads, repeat);
+    std::printf("{\"isa\": \"%s\", \"threads\": %d, \"repeat\": %d, \"read_reference\": \"%s\", "
+                "\"copy_reference\": \"%s\", \"rows\": [",
+                attnres_cpu_isa(), threads, repeat, streams.ReadName(), streams.CopyName());
     for (size_t k = 0; k < rows.size(); ++k) {
       const Row& r = rows[k];
       std::printf("%s\n  {\"dtype\": \"%s\", \"dim\": %lld, \"sources\": %lld, \"tokens\": %lld, "

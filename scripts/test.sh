@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every test: set up, build, C++ tests on every CPU kernel variant, the random
-# check against the reference, a smoke run of the benchmark, the Python tests, then the C++ tests again under
+# check against the reference, the same for aarch64 under qemu (cross-built), a
+# smoke run of the benchmark, the Python tests, then the C++ tests again under
 # AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/) and a 60-second
 # libFuzzer run of the C ABI (build-fuzz/). Any sanitizer report fails the run.
 # ATTNRES_BUILD_JOBS sets -j of the sanitizer and fuzz builds (default: all
@@ -19,6 +20,8 @@ for isa in avx512bf16 avx512 avx2 baseline; do
     echo "skipped: this CPU does not run the $isa variant"
   fi
 done
+echo "== aarch64 cross build, C++ tests and attnres check under qemu"
+bash scripts/test_aarch64.sh
 echo "== attnres bench smoke run (headline shape, one repeat; numbers not judged here)"
 ./build/attnres bench --json --headline --no-baseline --repeat 1 | python3 -c '
 import json, sys
@@ -28,6 +31,7 @@ assert (row["dtype"], row["dim"], row["sources"], row["tokens"]) == ("bf16", 153
 for key in ("fwd_ms", "bwd_ms", "read_gbs", "copy_gbs", "fwd_fraction", "bwd_fraction"):
     assert row[key] > 0, (key, row)
 assert all(report["scaling"][k] > 0 for k in ("fwd", "bwd", "read", "copy")), report
+assert report["read_reference"] and report["copy_reference"], report
 print("bench json ok:", {k: row[k] for k in ("fwd_fraction", "bwd_fraction")})'
 echo "== Python tests"
 python3 -m pytest -q tests/python
