@@ -67,6 +67,9 @@ done
 
 # --- 0. What the machine has ----------------------------------------------------
 GPU_LIST="$(nvidia-smi -L 2>&1)" || { SMI_ERROR="$GPU_LIST"; GPU_LIST=""; }
+# nvidia-smi installed but failing (no driver loaded, a wedged GPU) is a finding
+# of its own, not "no GPU here".
+SMI_INSTALLED=0; command -v nvidia-smi >/dev/null 2>&1 && SMI_INSTALLED=1
 GPU_COUNT=$(printf '%s\n' "$GPU_LIST" | grep -c '^GPU ' || true)
 # "9.0" -> "90", one entry per distinct GPU model.
 DETECTED_ARCHS="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null |
@@ -181,7 +184,7 @@ export GC_WALL=$(( $(date +%s) - START )) GC_CUDA_IN_BUILD=$CUDA_IN_BUILD
 export GC_GPU_COUNT=$GPU_COUNT GC_GPU_LIST="$GPU_LIST" GC_SMI_ERROR="${SMI_ERROR:-}" GC_ARCHS="$CUDA_ARCHS"
 export GC_DETECTED_ARCHS="$DETECTED_ARCHS" GC_SANITIZER="$SANITIZER_RESULTS"
 export GC_BUILD_ONLY=$BUILD_ONLY GC_RUN_BENCH=$RUN_BENCH GC_RUN_TESTS=$RUN_TESTS GC_PREBUILT="$PREBUILT"
-export GC_NOT_RUN="$NOT_RUN"
+export GC_NOT_RUN="$NOT_RUN" GC_SMI_INSTALLED=$SMI_INSTALLED
 python3 - "$OUT_DIR/gpu_check.json" <<'EOF'
 import json, os, re, sys
 
@@ -209,6 +212,8 @@ rc = lambda name: int(env[name])
 gpu_count = int(env["GC_GPU_COUNT"])
 build_only = env["GC_BUILD_ONLY"] == "1"
 failures = [f"{stage} not run: DEADLINE_S reached" for stage in env["GC_NOT_RUN"].split()]
+if env["GC_SMI_INSTALLED"] == "1" and env["GC_SMI_ERROR"]:
+    failures.append(f"nvidia-smi is installed but failed: {env['GC_SMI_ERROR'][:300]}")
 
 if rc("GC_CONFIGURE_RC") != 0:
     failures.append(f"configure failed (exit {rc('GC_CONFIGURE_RC')})")
