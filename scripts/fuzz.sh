@@ -17,7 +17,7 @@ for v in -16 -17 -18 ""; do  # _Float16 on x86 needs clang >= 15
   fi
 done
 if [ -z "$cxx" ]; then
-  echo "fuzz.sh: clang not found (scripts/setup.sh installs clang-14 and its runtime)" >&2
+  echo "fuzz.sh: clang not found (scripts/setup.sh installs clang-16 and its runtime)" >&2
   exit 1
 fi
 
