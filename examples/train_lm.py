@@ -15,10 +15,10 @@ Every scheme builds the same embedding, sub-layers and head from the same genera
 sees the same batches in the same order and is evaluated on the same held-out bytes,
 so curves from different schemes with one --seed differ only by the residual.
 
-    python3 examples/train_lm.py --quick --residual block          # a minute on 2 cores
-    python3 examples/train_lm.py --residual plain --out runs/plain  # see docs/RESULTS.md
-    python3 examples/train_lm.py --resume runs/plain               # continue after a stop
-    python3 examples/plot.py runs/* --out curves.png
+    python3 examples/train_lm.py --quick --residual block   # ~10 s: a smoke test
+    python3 examples/train_lm.py --residual plain --seed 0  # ~6 min on 2 idle cores
+    python3 examples/train_lm.py --resume runs/plain-d96-l8-s0   # continue after a stop
+    python3 examples/plot.py runs/*-d96-l8-s0 --out curves.png   # docs/RESULTS.md
 
 Each run writes to --out (default runs/<name>): config.json, metrics.jsonl (one JSON
 object per evaluation) and checkpoint.pt, from which --resume continues bit for bit
@@ -90,14 +90,15 @@ class ByteCorpus:
                            & set(p.relative_to(rootp).parts))
         if not files:
             raise SystemExit(f"no .py files under {self.root}")
-        train, val = [], []
-        for i, path in enumerate(files):
-            (val if len(files) > 1 and i % self.VAL_EVERY == self.VAL_EVERY - 1
-             else train).append(path.read_bytes())
-        if not val:  # a single file: hold out its last 5 %
-            cut = len(train[0]) * 95 // 100
-            train, val = [train[0][:cut]], [train[0][cut:]]
-        train_bytes, val_bytes = b"".join(train), b"".join(val)
+        contents = [path.read_bytes() for path in files]
+        if len(files) >= self.VAL_EVERY:
+            last = self.VAL_EVERY - 1
+            train_bytes = b"".join(c for i, c in enumerate(contents) if i % self.VAL_EVERY != last)
+            val_bytes = b"".join(c for i, c in enumerate(contents) if i % self.VAL_EVERY == last)
+        else:  # too few files to hold out whole ones: the last 5 % of the bytes
+            everything = b"".join(contents)
+            cut = len(everything) * 95 // 100
+            train_bytes, val_bytes = everything[:cut], everything[cut:]
         self.num_files = len(files)
         self.sha256 = hashlib.sha256(train_bytes + val_bytes).hexdigest()
         self.train = torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8)
@@ -424,6 +425,8 @@ def parse_config(argv: Optional[list[str]]) -> argparse.Namespace:
             if key not in RUN_CONTROL:
                 setattr(cfg, key, saved[key])
         cfg.out = cfg.resume
+    if cfg.residual == "full":  # full AttnRes is block size 1; say so in config.json
+        cfg.block_size = 1
     if cfg.attnres_impl == "auto":  # resolved here, so config.json says which ran
         cfg.attnres_impl = "stream" if hasattr(attnres.nn, "BlockAttnResStream") else "modules"
     if cfg.name is None:
