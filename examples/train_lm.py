@@ -399,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--eval-every", type=int, default=50, help="steps between evaluations/checkpoints")
     a("--eval-batches", type=int, default=16, help="fixed validation batches per evaluation")
     a("--threads", type=int, default=0, help="torch and attnres threads (0: their default)")
-    a("--data", default=None, help="train on this directory of .py files (or one file), not the stdlib")
+    a("--data", default=None,
+      help="train on this directory of .py files (or one file), not the stdlib")
     a("--name", default=None, help="run name (None: made from the config)")
     a("--out", default=None, help="run directory (None: runs/<name>)")
     a("--quick", action="store_true", help="a tiny config for a smoke test: " +
@@ -555,16 +556,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         return sum(losses) / len(losses)
 
     def log_eval() -> None:
+        def ratio(num, den, empty):
+            return num / den if den else empty
         row = {"step": step,
                "train_time_s": round(clock["train_s"], 3),
                "wall_time_s": round(clock["wall_s"] + time.perf_counter() - session_t0, 3),
-               "train_loss": interval["loss_sum"] / interval["steps"] if interval["steps"] else None,
+               "train_loss": ratio(interval["loss_sum"], interval["steps"], None),
                "val_loss": evaluate(),
                "lr": lr_at(max(step - 1, 0), cfg),
-               "tokens_per_s": interval["tokens"] / interval["train_s"] if interval["train_s"] else 0.0,
+               "tokens_per_s": ratio(interval["tokens"], interval["train_s"], 0.0),
                # CPU seconds of all threads: on a shared machine, with --threads 1, a
                # measure of cost that other processes disturb far less than wall time.
-               "tokens_per_cpu_s": interval["tokens"] / interval["cpu_s"] if interval["cpu_s"] else 0.0,
+               "tokens_per_cpu_s": ratio(interval["tokens"], interval["cpu_s"], 0.0),
                "peak_rss_mb": round(peak_rss_mb(), 1)}
         with metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")

@@ -29,7 +29,8 @@ QUICK = ("--quick", "--threads", "1", "--progress", "lines")
 def run(script: Path, *args: str) -> None:
     proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, env=dict(os.environ),
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{script.name} {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, \
+        f"{script.name} {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
 
 
 def import_train_lm():
@@ -85,7 +86,8 @@ def test_shared_weights_identical_across_schemes():
               for s, m in models.items()}
     assert shared["plain"].keys() == shared["block"].keys() == shared["full"].keys()
     for key, value in shared["plain"].items():
-        assert torch.equal(value, shared["block"][key]) and torch.equal(value, shared["full"][key]), key
+        assert torch.equal(value, shared["block"][key]), key
+        assert torch.equal(value, shared["full"][key]), key
 
 
 @pytest.mark.parametrize("scheme", ["block", "full"])
