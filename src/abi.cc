@@ -405,6 +405,9 @@ attnres_status CudaForward(const attnres_params&) {
 attnres_status CudaBackward(const attnres_params&) {
   return Fail(ATTNRES_ERROR_UNSUPPORTED_DEVICE, "attnres was built without CUDA");
 }
+attnres_status CudaTwoPhase(const attnres_params&, int, bool) {
+  return Fail(ATTNRES_ERROR_UNSUPPORTED_DEVICE, "attnres was built without CUDA");
+}
 #endif
 
 }  // namespace attnres
@@ -484,17 +487,14 @@ attnres_status attnres_backward(const attnres_params* params) {
 }
 
 namespace {
-// Validates, then runs the CPU kernels of one phase (the CUDA backend has no
-// two-phase kernels yet: a named error, nothing written).
+// Validates, then runs one phase on the params' device.
 attnres_status RunTwoPhase(const char* function, attnres_status (*validate)(const attnres_params*),
                            const attnres_params* params, int phase, bool backward) {
   if (attnres_status s = validate(params); s != ATTNRES_OK) return s;
-  if (params->device == ATTNRES_DEVICE_CUDA) {
-    return attnres::Fail(ATTNRES_ERROR_UNSUPPORTED_DEVICE,
-                         std::string(function) + ": the two-phase ops run on the CPU only in this "
-                                                 "version (device must be CPU (0))");
-  }
-  return attnres::Guarded(function, [&] { return attnres::CpuTwoPhase(*params, phase, backward); });
+  return attnres::Guarded(function, [&] {
+    return params->device == ATTNRES_DEVICE_CUDA ? attnres::CudaTwoPhase(*params, phase, backward)
+                                                 : attnres::CpuTwoPhase(*params, phase, backward);
+  });
 }
 }  // namespace
 

@@ -45,6 +45,7 @@ std::string CompiledIsaNames();
 bool CudaAvailable();
 attnres_status CudaForward(const attnres_params& p);
 attnres_status CudaBackward(const attnres_params& p);
+attnres_status CudaTwoPhase(const attnres_params& p, int phase, bool backward);
 
 }  // namespace attnres
 
