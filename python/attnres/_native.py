@@ -11,11 +11,11 @@ them is checked against the library's own layout at import.
 
 from __future__ import annotations
 
-import array
 import ctypes
 import os
 import struct
 import sys
+import threading
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
@@ -132,36 +132,50 @@ def _find_library() -> Path:
         "or point ATTNRES_LIBRARY at a built libattnres.so")
 
 
-# A call passes attnres_params as bytes packed by struct in the C layout ("@":
-# native sizes and alignment), a third of the cost of filling a _Params; the
-# formats come from _Params so that the two cannot drift apart. The single op
-# packs its own fields and appends the two-phase fields at their defaults
-# (those of attnres_params_init), packed once.
+# A call passes attnres_params packed by struct in the C layout ("@": native sizes
+# and alignment), followed by the arrays of pointers it refers to (blocks,
+# grad_blocks, the two-phase lists), in one buffer per thread that is reused from
+# call to call: one pack_into and no ctypes object per call. The formats come from
+# _Params so that the two cannot drift apart; the defaults (those of
+# attnres_params_init) are read from the library once at import.
 _STRUCT_CODES = {ctypes.c_int32: "i", ctypes.c_int64: "q", ctypes.c_double: "d"}
+_PARAMS_FORMAT = "@" + "".join(_STRUCT_CODES.get(t, "P") for _, t in _Params._fields_)
+_PARAMS_SIZE = struct.calcsize(_PARAMS_FORMAT)
+_POINTER_SIZE = ctypes.sizeof(ctypes.c_void_p)
+if _PARAMS_SIZE != ctypes.sizeof(_Params) or _PARAMS_SIZE % _POINTER_SIZE:
+    raise ImportError("attnres._native: the struct format of attnres_params disagrees with _Params")
+FIELDS = {name: i for i, (name, _) in enumerate(_Params._fields_)}  # name -> position
+_FIRST_TWO_PHASE_FIELD = FIELDS["num_queries"]
 
 
-def _struct(fields) -> struct.Struct:
-    return struct.Struct("@" + "".join(_STRUCT_CODES.get(t, "P") for _, t in fields))
+def _packer(num_pointers: int) -> struct.Struct:
+    """The Struct of attnres_params followed by num_pointers pointers (cached)."""
+    packer = _PACKERS.get(num_pointers)
+    if packer is None:
+        packer = _PACKERS[num_pointers] = struct.Struct(_PARAMS_FORMAT + f"{num_pointers}P")
+    return packer
 
 
-_FIRST_TWO_PHASE_FIELD = [name for name, _ in _Params._fields_].index("num_queries")
-_SINGLE_OP_PARAMS = _struct(_Params._fields_[:_FIRST_TWO_PHASE_FIELD])
-_TWO_PHASE_PARAMS = _struct(_Params._fields_[_FIRST_TWO_PHASE_FIELD:])
-_TWO_PHASE_DEFAULTS = {"num_queries": 1, "norm_eps": 1e-6}  # every other field 0 (NULL)
-_TWO_PHASE_DEFAULT_BYTES = _TWO_PHASE_PARAMS.pack(
-    *(_TWO_PHASE_DEFAULTS.get(name, 0) for name, _ in _Params._fields_[_FIRST_TWO_PHASE_FIELD:]))
-if (_SINGLE_OP_PARAMS.size != _Params.num_queries.offset
-        or _SINGLE_OP_PARAMS.size + _TWO_PHASE_PARAMS.size != ctypes.sizeof(_Params)):
-    raise ImportError("attnres._native: the struct formats of attnres_params disagree with _Params")
+_PACKERS: dict = {}
+_scratch = threading.local()
 
 
-def _pack(*single_op_fields) -> bytes:
-    """attnres_params from the values of its fields up to grad_gamma, in _Params order."""
-    return _SINGLE_OP_PARAMS.pack(*single_op_fields) + _TWO_PHASE_DEFAULT_BYTES
-
-
-# Arrays of pointers (blocks, grad_blocks) as array.array of unsigned words.
-_POINTER_CODE = "Q" if ctypes.sizeof(ctypes.c_void_p) == 8 else "I"
+def _buffer(num_pointers: int) -> Tuple[ctypes.Array, int]:
+    """This thread's scratch buffer, large enough for the params and num_pointers
+    pointers, and its address. One per thread: ctypes releases the GIL during a call,
+    so another thread may pack its own call meanwhile; within a thread a call has
+    returned before the next one packs."""
+    try:
+        buf, address, capacity = _scratch.state
+        if num_pointers <= capacity:
+            return buf, address
+    except AttributeError:
+        capacity = 0
+    capacity = max(num_pointers, 2 * capacity, 256)
+    buf = ctypes.create_string_buffer(_PARAMS_SIZE + _POINTER_SIZE * capacity)
+    address = ctypes.addressof(buf)
+    _scratch.state = (buf, address, capacity)
+    return buf, address
 
 def _library_layout(lib) -> Tuple[Layout, int]:
     """The layout of attnres_params that the library was compiled with."""
@@ -180,9 +194,11 @@ def _library_layout(lib) -> Tuple[Layout, int]:
 
 _lib = ctypes.CDLL(str(_find_library()))
 check_params_layout(params_layout(), ctypes.sizeof(_Params), *_library_layout(_lib))
-for _name in ("attnres_forward", "attnres_backward"):
-    getattr(_lib, _name).argtypes = [ctypes.c_char_p]  # the packed params
+for _name in ("attnres_forward", "attnres_backward", "attnres_phase1_forward",
+              "attnres_phase1_backward", "attnres_phase2_forward", "attnres_phase2_backward"):
+    getattr(_lib, _name).argtypes = [ctypes.c_void_p]  # the address of the packed params
     getattr(_lib, _name).restype = ctypes.c_int
+_lib.attnres_params_init.argtypes = [ctypes.c_void_p]
 for _name in ("attnres_version", "attnres_last_error", "attnres_cpu_isa"):
     getattr(_lib, _name).restype = ctypes.c_char_p
 _lib.attnres_set_num_threads.argtypes = [ctypes.c_int]
@@ -191,6 +207,54 @@ _lib.attnres_set_cpu_isa.argtypes = [ctypes.c_char_p]
 _lib.attnres_cuda_available.restype = ctypes.c_int
 
 __version__ = _lib.attnres_version().decode()
+
+
+def _defaults() -> tuple:
+    """The values of attnres_params_init, in field order."""
+    p = _Params()
+    _lib.attnres_params_init(ctypes.addressof(p))
+    return struct.unpack(_PARAMS_FORMAT, bytes(p))
+
+
+DEFAULTS = _defaults()
+_TWO_PHASE_DEFAULTS = DEFAULTS[_FIRST_TWO_PHASE_FIELD:]  # what the single op leaves alone
+_ABI_VERSION_FIELD = DEFAULTS[FIELDS["abi_version"]]
+if _ABI_VERSION_FIELD != _ABI_VERSION:
+    raise ImportError(f"libattnres has ABI version {_ABI_VERSION_FIELD}, the package "
+                      f"{_ABI_VERSION}; rebuild or reinstall both")
+
+
+def entry_call(entry: str, fields: Sequence[str], arrays: Sequence[str] = ()):
+    """A function call(like, *values, *arrays) that calls the ABI's `entry` with
+    attnres_params whose `fields` are `values`, whose `arrays` fields point at the
+    given lists of pointers (each non-empty; stored behind the params in this
+    thread's scratch buffer), every other field at its default (attnres_params_init),
+    with `like`'s CUDA device current when it is on one.
+
+    The function is generated once, so that a call packs every field in one
+    pack_into with no per-field Python: as cheap as the single op's forward."""
+    unknown = [n for n in (*fields, *arrays) if n not in FIELDS]
+    if unknown or len(set((*fields, *arrays))) != len(fields) + len(arrays):
+        raise ValueError(f"entry_call: unknown or repeated fields {unknown or (fields, arrays)}")
+    given = {name: f"v_{name}" for name in fields}
+    given.update({name: f"o_{name}" for name in arrays})
+    values = ", ".join(given.get(name, f"D[{i}]") for i, (name, _) in enumerate(_Params._fields_))
+    lines = [f"def call(like, {', '.join([*given.values()][:len(fields)] + [f'a_{n}' for n in arrays])}):"]
+    lines.append(f"    count = {' + '.join(f'len(a_{n})' for n in arrays) or '0'}")
+    lines.append("    buf, base = buffer(count)")
+    offset = "base + SIZE"
+    for name in arrays:
+        lines.append(f"    o_{name} = {offset}")
+        offset = f"o_{name} + PS * len(a_{name})"
+    pointers = "".join(f", *a_{n}" for n in arrays)
+    lines.append(f"    packer(count).pack_into(buf, 0, {values}{pointers})")
+    lines.append("    call_entry(function, base, like)")
+    namespace = {"D": DEFAULTS, "buffer": _buffer, "packer": _packer, "SIZE": _PARAMS_SIZE,
+                 "PS": _POINTER_SIZE, "call_entry": _call, "function": getattr(_lib, entry)}
+    exec("\n".join(lines), namespace)  # noqa: S102  (the source is built above from names)
+    call = namespace["call"]
+    call.__doc__ = f"{entry} with {', '.join(fields)}; arrays {', '.join(arrays) or 'none'}"
+    return call
 
 
 def set_num_threads(n: int) -> None:
@@ -215,12 +279,6 @@ def set_cpu_isa(name: Optional[str]) -> None:
 
 def cuda_available() -> bool:
     return bool(_lib.attnres_cuda_available())
-
-
-def _pointers(addresses: List[int]) -> array.array:
-    """A C array of pointers (0 for NULL); its address is buffer_info()[0], valid
-    while the array lives."""
-    return array.array(_POINTER_CODE, addresses or [0])
 
 
 # Large outputs on the CPU: fresh tensors of tens of MB come straight from mmap,
@@ -252,6 +310,35 @@ def _new_output(like: torch.Tensor, nbytes: int) -> torch.Tensor:
         if last > first:
             _madvise(first, last - first, _MADV_HUGEPAGE)
     return out
+
+
+# ---------------------------------------------------------------------------------
+# The eager fast path
+# ---------------------------------------------------------------------------------
+
+def _missing() -> bool:  # a check this torch lacks: never take the fast path
+    return True
+
+
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", _missing)
+_function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", _missing)
+_functorch = getattr(torch._C, "_are_functorch_transforms_active", _missing)
+_jit_tracing = getattr(torch._C, "_get_tracing_state", _missing)
+
+
+def eager() -> bool:
+    """True when a call may go to the library directly instead of through the
+    torch.library custom ops: nothing is tracing or transforming it. Not under
+    torch.compile / torch.export (dynamo folds is_compiling() to True, so the rest is
+    never traced), not with a TorchDispatchMode active (FakeTensorMode,
+    FunctionalTensorMode, make_fx's proxy mode, selective checkpointing), nor a
+    TorchFunctionMode (e.g. `with torch.device(...)`), nor inside a torch.func
+    transform or torch.jit.trace. The front ends also require plain tensors (torch.Tensor
+    or nn.Parameter, no subclass) on the CPU or a CUDA device; everything else goes
+    through the custom ops, which all that machinery understands."""
+    return not (_is_compiling() or _dispatch_modes() or _function_modes() or _functorch()
+                or _jit_tracing())
 
 
 def _check(status: int) -> None:
@@ -299,15 +386,15 @@ def _rows(tensors: Sequence[torch.Tensor], dim: int) -> Tuple[List[torch.Tensor]
     return [t if s == dim else t.contiguous() for t, s in zip(tensors, strides)], dim
 
 
-def _call(function, params: bytes, like: torch.Tensor) -> None:
-    """Calls the ABI with params packed by _pack; on CUDA with the tensors'
-    device current, as the kernels launch on the current device and torch's
-    current stream for it."""
+def _call(function, address: int, like: torch.Tensor) -> None:
+    """Calls an entry point of the ABI on the params packed at `address`; on CUDA with
+    the tensors' device current, as the kernels launch on the current device and
+    torch's current stream for it."""
     if like.is_cuda:
         with torch.cuda.device(like.device):
-            _check(function(params))
+            _check(function(address))
     else:
-        _check(function(params))
+        _check(function(address))
 
 
 def _stream_and_device(function: str, x: torch.Tensor) -> Tuple[int, int]:
@@ -318,46 +405,120 @@ def _stream_and_device(function: str, x: torch.Tensor) -> Tuple[int, int]:
     raise _validate.error(function, "blocks", "on the CPU or a CUDA device", str(x.device))
 
 
-def _trusted_sources(blocks, partial) -> Tuple[List[torch.Tensor], int, torch.dtype]:
-    """[*blocks, partial], D and the dtype, for a caller that has validated them."""
-    sources = list(blocks)
-    if partial is not None:
-        sources.append(partial)
-    return sources, sources[0].shape[-1], sources[0].dtype
+_LARGE = 2 * _HUGE_PAGE
+_empty_like = torch.empty_like
+_forward_entry = _lib.attnres_forward
+# The single op's forward on plain contiguous inputs packs only the fields it sets
+# (abi_version .. out_row_stride) and its block pointers, into a scratch buffer of its
+# own whose other fields hold their defaults from the start.
+_FORWARD_HEAD = struct.Struct(
+    "@" + "".join(_STRUCT_CODES.get(t, "P")
+                  for _, t in _Params._fields_[:FIELDS["out_row_stride"] + 1]))
+_POINTERS: dict = {}  # count -> Struct of that many pointers
 
 
-def _vector(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if x is None else x.contiguous()
+def _forward_buffer(num_pointers: int) -> Tuple[ctypes.Array, int]:
+    """_buffer() for _forward_plain(): its fields after out_row_stride are the defaults."""
+    try:
+        buf, address, capacity = _scratch.forward
+        if num_pointers <= capacity:
+            return buf, address
+    except AttributeError:
+        capacity = 0
+    capacity = max(num_pointers, 2 * capacity, 256)
+    buf = ctypes.create_string_buffer(_PARAMS_SIZE + _POINTER_SIZE * capacity)
+    address = ctypes.addressof(buf)
+    _packer(0).pack_into(buf, 0, *DEFAULTS)
+    _scratch.forward = (buf, address, capacity)
+    return buf, address
+
+
+def _forward_plain(plain, has_partial: bool, proj_weight: torch.Tensor,
+                   gamma: Optional[torch.Tensor], scale: float, eps: float,
+                   rmsnorm: bool) -> torch.Tensor:
+    """h for contiguous inputs as _validate.plain_inputs() found them, with nothing
+    looked at twice; it passes the library what forward() passes."""
+    sources, pointers, _, _, shape, dtype = plain
+    first = sources[0]
+    dim = shape[-1]
+    tokens = first.numel() // dim if dim else 0
+    out = _empty_like(first)  # contiguous, as first is
+    nbytes = tokens * dim * _ELEMENT_BYTES[dtype]
+    if nbytes >= _LARGE:
+        out = _new_output(first, nbytes)
+    if tokens == 0:  # empty tensors may have null data pointers, which the ABI refuses
+        return out
+    if first.is_cpu:
+        device, stream = _DEVICE_CPU, 0
+    else:
+        device, stream = _stream_and_device("", first)
+    count = len(pointers)  # the blocks' pointers, then the partial block's
+    num_blocks = count - 1 if has_partial else count
+    try:
+        buf, base, capacity = _scratch.forward
+        if count > capacity:
+            buf, base = _forward_buffer(count)
+    except AttributeError:
+        buf, base = _forward_buffer(count)
+    _FORWARD_HEAD.pack_into(
+        buf, 0, _ABI_VERSION, tokens, dim, num_blocks, _DTYPES[dtype], device, stream,
+        base + _PARAMS_SIZE, pointers[-1] if has_partial else 0, dim, proj_weight.data_ptr(),
+        gamma.data_ptr() if gamma is not None else 0, scale, eps, 1 if rmsnorm else 0,
+        out.data_ptr(), dim)
+    packer = _POINTERS.get(count)
+    if packer is None:
+        packer = _POINTERS[count] = struct.Struct(f"@{count}P")
+    packer.pack_into(buf, _PARAMS_SIZE, *pointers)  # the partial's last: never read as a block
+    if device == _DEVICE_CPU:
+        status = _forward_entry(base)
+        if status:
+            _check(status)
+    else:
+        _call(_forward_entry, base, first)
+    return out
 
 
 def forward(blocks: Sequence[torch.Tensor], partial: Optional[torch.Tensor],
             proj_weight: torch.Tensor, gamma: Optional[torch.Tensor], *, scale: float,
             eps: float, rmsnorm: bool, want_rms: bool = False, want_alpha: bool = False,
-            function: str = "attnres._native.forward", _validated: bool = False):
+            function: str = "attnres._native.forward", _validated: bool = False,
+            _plain: Optional[tuple] = None):
     """h = sum_i softmax_i(z) v_i over the sources [*blocks, partial].
 
     Returns (h, rms, alpha): h has the shape and dtype of the sources; rms and
     alpha are [..., L] of the accumulation dtype, or None when not requested.
-    Errors name `function`; `_validated`: the caller has run the validator itself.
+    Errors name `function`. `_validated`: the caller has run the validator itself;
+    `_plain`: what _validate.plain_inputs() returned for these inputs (then
+    validated too).
     """
+    if _plain is not None:
+        if _plain[2] and not (want_rms or want_alpha):  # contiguous
+            return _forward_plain(_plain, partial is not None, proj_weight,
+                                  gamma if rmsnorm else None, scale, eps, rmsnorm), None, None
+        _validated = True
     if _validated:
-        sources, dim, dtype = _trusted_sources(blocks, partial)
+        sources = [*blocks, partial] if partial is not None else blocks
+        first = sources[0]
+        dim, dtype = first.shape[-1], first.dtype
     else:
         sources, dim, dtype = _validate.inputs(function, blocks, partial, proj_weight, gamma,
                                                scale, eps)
         if want_rms and not rmsnorm:
             raise _validate.error(function, "want_rms", "False when rmsnorm=False (there is "
                                   "no rms to cache)", "True")
+    if not rmsnorm:
+        gamma = None
     sources, stride = _rows(sources, dim)
     first = sources[0]
-    num_sources = len(sources)
+    proj_weight = proj_weight.contiguous()
+    if gamma is not None:
+        gamma = gamma.contiguous()
     tokens = first.numel() // dim if dim else 0
-    device, stream = _stream_and_device(function, first)
-    proj_weight, gamma = _vector(proj_weight), _vector(gamma if rmsnorm else None)
+    device, stream = (_DEVICE_CPU, 0) if first.is_cpu else _stream_and_device(function, first)
 
     out = _new_output(first, tokens * dim * _ELEMENT_BYTES[dtype])
     if want_rms or want_alpha:
-        cache_shape = tuple(first.shape[:-1]) + (num_sources,)
+        cache_shape = tuple(first.shape[:-1]) + (len(sources),)
         acc = accumulation_dtype(dtype)
         rms = torch.empty(cache_shape, dtype=acc, device=first.device) if want_rms else None
         alpha = torch.empty(cache_shape, dtype=acc, device=first.device) if want_alpha else None
@@ -366,16 +527,22 @@ def forward(blocks: Sequence[torch.Tensor], partial: Optional[torch.Tensor],
     if tokens == 0:  # empty tensors may have null data pointers, which the ABI refuses
         return out, rms, alpha
 
-    num_blocks = len(blocks)
-    block_ptrs = _pointers([s.data_ptr() for s in sources[:num_blocks]])
-    # In _Params._fields_ order; the backward's fields are 0 (NULL).
-    p = _pack(_ABI_VERSION, tokens, dim, num_blocks, _DTYPES[dtype], device, stream,
-              block_ptrs.buffer_info()[0], sources[-1].data_ptr() if partial is not None else 0,
-              stride, proj_weight.data_ptr(), gamma.data_ptr() if gamma is not None else 0,
-              scale, eps, 1 if rmsnorm else 0, out.data_ptr(), dim,
-              rms.data_ptr() if rms is not None else 0,
-              alpha.data_ptr() if alpha is not None else 0, 0, 0, 0, 0, 0, 0, 0)
-    _call(_lib.attnres_forward, p, first)
+    pointers = [s.data_ptr() for s in sources]
+    partial_pointer = pointers.pop() if partial is not None else 0
+    num_blocks = len(pointers)
+    if not pointers:
+        pointers.append(0)
+    buf, base = _buffer(len(pointers))
+    # In _Params._fields_ order, then the array of block pointers; the backward's
+    # fields are 0 (NULL), the two-phase fields at their defaults.
+    _packer(len(pointers)).pack_into(
+        buf, 0, _ABI_VERSION, tokens, dim, num_blocks, _DTYPES[dtype], device, stream,
+        base + _PARAMS_SIZE, partial_pointer, stride, proj_weight.data_ptr(),
+        gamma.data_ptr() if gamma is not None else 0, scale, eps, 1 if rmsnorm else 0,
+        out.data_ptr(), dim, rms.data_ptr() if rms is not None else 0,
+        alpha.data_ptr() if alpha is not None else 0, 0, 0, 0, 0, 0, 0, 0,
+        *_TWO_PHASE_DEFAULTS, *pointers)
+    _call(_lib.attnres_forward, base, first)
     return out, rms, alpha
 
 
@@ -385,18 +552,23 @@ def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
              rms_cache: Optional[torch.Tensor] = None, alpha_cache: Optional[torch.Tensor] = None,
              need_block_grads: Optional[Sequence[bool]] = None, need_partial_grad: bool = True,
              need_proj_weight_grad: bool = True, need_gamma_grad: bool = True,
-             function: str = "attnres._native.backward", _validated: bool = False):
+             function: str = "attnres._native.backward", _validated: bool = False,
+             _contiguous: bool = False):
     """Gradients of h = forward(...) given grad_out = dLoss/dh.
 
     The caches are optional: without them the softmax is recomputed in the same
     pass that reads the sources anyway, so no extra memory traffic. Returns
     (grad_blocks: list of N (tensor or None), grad_partial, grad_proj_weight,
-    grad_gamma); grad_gamma is None when rmsnorm is off. Errors name `function`;
-    `_validated`: the caller has run the validator itself.
+    grad_gamma); grad_gamma is None when rmsnorm is off. Errors name `function`.
+    `_validated`: the caller has run the validator itself (grad_out of the sources'
+    shape, dtype and device); `_contiguous`: it has also seen every source, w and
+    gamma contiguous.
     """
     rms_cache = rms_cache if rmsnorm else None
     if _validated:
-        sources, dim, dtype = _trusted_sources(blocks, partial)
+        sources = [*blocks, partial] if partial is not None else blocks
+        first = sources[0]
+        dim, dtype = first.shape[-1], first.dtype
     else:
         sources, dim, dtype = _validate.inputs(function, blocks, partial, proj_weight, gamma,
                                                scale, eps)
@@ -408,25 +580,33 @@ def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
         if need_block_grads is not None and len(need_block_grads) != len(blocks):
             raise _validate.error(function, "need_block_grads", f"one flag per block "
                                   f"({len(blocks)})", f"{len(need_block_grads)} flags")
+    if not rmsnorm:
+        gamma = None
     num_blocks = len(blocks)
-    sources, stride = _rows(sources, dim)
-    first = sources[0]
+    if not _contiguous:
+        sources, stride = _rows(sources, dim)
+        first = sources[0]
+        proj_weight = proj_weight.contiguous()
+        if gamma is not None:
+            gamma = gamma.contiguous()
+    else:
+        stride = dim
     tokens = first.numel() // dim if dim else 0
-    device, stream = _stream_and_device(function, first)
+    device, stream = (_DEVICE_CPU, 0) if first.is_cpu else _stream_and_device(function, first)
     on_cpu = device == _DEVICE_CPU
     if not grad_out.is_contiguous():
         (grad_out,), grad_stride = _rows([grad_out], dim)
     else:
         grad_stride = dim
-    acc = accumulation_dtype(dtype)
-    caches = []
-    for cache in (rms_cache, alpha_cache):
-        if cache is not None and not (cache.dtype is acc and cache.is_contiguous() and (
-                cache.is_cpu if on_cpu else cache.device == first.device)):
-            cache = cache.to(device=first.device, dtype=acc).contiguous()
-        caches.append(cache)
-    rms_cache, alpha_cache = caches
-    proj_weight, gamma = _vector(proj_weight), _vector(gamma if rmsnorm else None)
+    if rms_cache is not None or alpha_cache is not None:
+        acc = accumulation_dtype(dtype)
+        caches = []
+        for cache in (rms_cache, alpha_cache):
+            if cache is not None and not (cache.dtype is acc and cache.is_contiguous() and (
+                    cache.is_cpu if on_cpu else cache.device == first.device)):
+                cache = cache.to(device=first.device, dtype=acc).contiguous()
+            caches.append(cache)
+        rms_cache, alpha_cache = caches
 
     if need_block_grads is None:
         need_block_grads = [True] * num_blocks
@@ -446,15 +626,20 @@ def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
     def ptr(t: Optional[torch.Tensor]) -> int:
         return t.data_ptr() if t is not None else 0
 
-    block_ptrs = _pointers([s.data_ptr() for s in sources[:num_blocks]])
-    grad_ptrs = _pointers([ptr(g) for g in grad_blocks])
-    # In _Params._fields_ order; the forward's outputs are 0 (NULL).
-    p = _pack(
-        _ABI_VERSION, tokens, dim, num_blocks, _DTYPES[dtype], device, stream,
-        block_ptrs.buffer_info()[0], sources[-1].data_ptr() if partial is not None else 0,
-        stride, proj_weight.data_ptr(), ptr(gamma), scale, eps, 1 if rmsnorm else 0, 0, 0,
-        ptr(rms_cache), ptr(alpha_cache), grad_out.data_ptr(), grad_stride,
-        grad_ptrs.buffer_info()[0] if grad_blocks else 0, ptr(grad_partial), dim,
-        ptr(grad_w), ptr(grad_gamma))
-    _call(_lib.attnres_backward, p, first)
+    pointers = [s.data_ptr() for s in sources]
+    partial_pointer = pointers.pop() if partial is not None else 0
+    pointers += [g.data_ptr() if g is not None else 0 for g in grad_blocks]
+    if not pointers:
+        pointers.append(0)
+    buf, base = _buffer(len(pointers))
+    # In _Params._fields_ order, then the arrays of block and gradient pointers; the
+    # forward's outputs are 0 (NULL), the two-phase fields at their defaults.
+    _packer(len(pointers)).pack_into(
+        buf, 0, _ABI_VERSION, tokens, dim, num_blocks, _DTYPES[dtype], device, stream,
+        base + _PARAMS_SIZE, partial_pointer, stride, proj_weight.data_ptr(), ptr(gamma),
+        scale, eps, 1 if rmsnorm else 0, 0, 0, ptr(rms_cache), ptr(alpha_cache),
+        grad_out.data_ptr(), grad_stride,
+        base + _PARAMS_SIZE + _POINTER_SIZE * num_blocks if num_blocks else 0,
+        ptr(grad_partial), dim, ptr(grad_w), ptr(grad_gamma), *_TWO_PHASE_DEFAULTS, *pointers)
+    _call(_lib.attnres_backward, base, first)
     return grad_blocks, grad_partial, grad_w, grad_gamma

@@ -151,6 +151,175 @@ def inputs(function: str, blocks: object, partial: object, w: object, gamma: obj
     return result
 
 
+# ---------------------------------------------------------------------------------
+# The eager fast path: the common case in one pass, no message built
+# ---------------------------------------------------------------------------------
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact classes: no subclass takes the fast path
+_STRIDED = torch.strided
+_LISTS = (list, tuple)
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+_ACCUMULATION = {torch.bfloat16: torch.float32, torch.float16: torch.float32,
+                 torch.float32: torch.float32, torch.float64: torch.float64}
+
+
+_any_requires_grad = torch._C._any_requires_grad
+_isfinite = math.isfinite
+
+
+def plain_inputs(blocks: object, partial: object, w: object, gamma: object, scale: float,
+                 eps: float, grad: bool) -> Optional[tuple]:
+    """The inputs of a native front end (what inputs() accepts) that the fast path
+    takes, checked in one pass: a list or tuple of plain tensors (torch.Tensor or
+    nn.Parameter, no subclass) plus the partial block, all of one supported dtype,
+    strided, of one shape, on the CPU or one CUDA device; w and gamma (or None)
+    plain, [D], alike; scale finite, eps finite and >= 0. `grad`: whether grad mode
+    is on (requires_grad is only looked at then).
+
+    Returns ``(sources, pointers, contiguous, requires_grad, shape, dtype)``: the
+    sources ``[*blocks, partial]``, their data_ptr()s, whether every source, w and
+    gamma is contiguous, whether any input requires grad (False without `grad`), the
+    sources' shape and dtype -- a plain tuple, cheaper to build than a NamedTuple.
+    Returns None for anything else -- the caller then runs inputs(), which names what
+    is wrong, or takes the custom ops for what is right but unusual."""
+    if blocks.__class__ not in _LISTS:
+        return None
+    sources = [*blocks, partial] if partial is not None else blocks
+    if not sources or not (_isfinite(scale) and _isfinite(eps) and eps >= 0):
+        return None
+    first = sources[0]
+    if first.__class__ not in _PLAIN or first.layout is not _STRIDED:
+        return None
+    dtype, shape = first.dtype, first.shape
+    if dtype not in _SUPPORTED or not shape:
+        return None
+    on_cpu = first.is_cpu
+    if on_cpu:
+        device = None
+    elif first.is_cuda:
+        device = first.device
+    else:
+        return None
+    contiguous = first.is_contiguous()
+    pointers = [first.data_ptr()]
+    rest = iter(sources)
+    next(rest)
+    for t in rest:  # the same tests as for first, written out: this loop is the cost
+        if (t.__class__ not in _PLAIN or t.dtype is not dtype or t.layout is not _STRIDED
+                or not (t.is_cpu if on_cpu else t.device == device) or t.shape != shape):
+            return None
+        if contiguous and not t.is_contiguous():
+            contiguous = False
+        pointers.append(t.data_ptr())
+    vector = (shape[-1],)
+    for t in (w, gamma) if gamma is not None else (w,):
+        if (t.__class__ not in _PLAIN or t.dtype is not dtype or t.layout is not _STRIDED
+                or not (t.is_cpu if on_cpu else t.device == device) or t.shape != vector):
+            return None
+        if contiguous and not t.is_contiguous():
+            contiguous = False
+    requires_grad = grad and _any_requires_grad(*sources, w, gamma)
+    return sources, pointers, contiguous, requires_grad, shape, dtype
+
+
+def plain_phase1(blocks: object, w: object, gamma: object, eps: float, scale: float,
+                 grad: bool) -> Optional[tuple]:
+    """plain_inputs() for phase 1: blocks a non-empty list or tuple of plain tensors of
+    one supported dtype, shape and device, strided; w [S, D] and gamma (or None) of
+    w's shape, alike. Returns ``(blocks, pointers, contiguous, requires_grad, shape,
+    dtype, S)`` or None (then phase1() names what is wrong)."""
+    if blocks.__class__ not in _LISTS or not blocks or not (
+            _isfinite(scale) and _isfinite(eps) and eps >= 0):
+        return None
+    first = blocks[0]
+    if first.__class__ not in _PLAIN or first.layout is not _STRIDED:
+        return None
+    dtype, shape = first.dtype, first.shape
+    if dtype not in _SUPPORTED or not shape:
+        return None
+    on_cpu = first.is_cpu
+    if on_cpu:
+        device = None
+    elif first.is_cuda:
+        device = first.device
+    else:
+        return None
+    contiguous = first.is_contiguous()
+    pointers = [first.data_ptr()]
+    rest = iter(blocks)
+    next(rest)
+    for t in rest:
+        if (t.__class__ not in _PLAIN or t.dtype is not dtype or t.layout is not _STRIDED
+                or not (t.is_cpu if on_cpu else t.device == device) or t.shape != shape):
+            return None
+        if contiguous and not t.is_contiguous():
+            contiguous = False
+        pointers.append(t.data_ptr())
+    if w.__class__ not in _PLAIN:
+        return None
+    queries = w.shape
+    if len(queries) != 2 or queries[0] < 1 or queries[1] != shape[-1]:
+        return None
+    for t in (w, gamma) if gamma is not None else (w,):
+        if (t.__class__ not in _PLAIN or t.dtype is not dtype or t.layout is not _STRIDED
+                or not (t.is_cpu if on_cpu else t.device == device) or t.shape != queries):
+            return None
+        if contiguous and not t.is_contiguous():
+            contiguous = False
+    blocks = list(blocks)
+    requires_grad = grad and _any_requires_grad(*blocks, w, gamma)
+    return blocks, pointers, contiguous, requires_grad, shape, dtype, queries[0]
+
+
+def plain_phase2(out: object, lse: object, partial: object, w: object, gamma: object,
+                 norm_weight: object, eps: float, scale: float, norm_eps: float,
+                 grad: bool) -> Optional[tuple]:
+    """plain_inputs() for phase 2: out a plain strided tensor [..., D] of a supported
+    dtype on the CPU or a CUDA device; lse [...] in the accumulation dtype; partial (or
+    None) like out; w, gamma, norm_weight (or None) [D]; all plain, strided, on out's
+    device; the scalars finite, eps and norm_eps >= 0. Returns ``(contiguous,
+    requires_grad)`` or None (then phase2() names what is wrong)."""
+    if not (_isfinite(scale) and _isfinite(eps) and eps >= 0 and _isfinite(norm_eps)
+            and norm_eps >= 0):
+        return None
+    if out.__class__ not in _PLAIN or out.layout is not _STRIDED:
+        return None
+    dtype, shape = out.dtype, out.shape
+    if dtype not in _SUPPORTED or not shape:
+        return None
+    on_cpu = out.is_cpu
+    if on_cpu:
+        device = None
+    elif out.is_cuda:
+        device = out.device
+    else:
+        return None
+    if (lse.__class__ not in _PLAIN or lse.dtype is not _ACCUMULATION[dtype]
+            or lse.layout is not _STRIDED or not (lse.is_cpu if on_cpu else lse.device == device)
+            or lse.shape != shape[:-1]):
+        return None
+    contiguous = out.is_contiguous() and lse.is_contiguous()
+    if partial is not None:
+        if (partial.__class__ not in _PLAIN or partial.dtype is not dtype
+                or partial.layout is not _STRIDED
+                or not (partial.is_cpu if on_cpu else partial.device == device)
+                or partial.shape != shape):
+            return None
+        if contiguous and not partial.is_contiguous():
+            contiguous = False
+    vector = (shape[-1],)
+    for t in (w, gamma, norm_weight):
+        if t is None and t is not w:
+            continue
+        if (t.__class__ not in _PLAIN or t.dtype is not dtype or t.layout is not _STRIDED
+                or not (t.is_cpu if on_cpu else t.device == device) or t.shape != vector):
+            return None
+        if contiguous and not t.is_contiguous():
+            contiguous = False
+    requires_grad = grad and _any_requires_grad(out, lse, partial, w, gamma, norm_weight)
+    return contiguous, requires_grad
+
+
 def grad_out(function: str, name: str, t: object, first: torch.Tensor) -> None:
     """The upstream gradient has the sources' shape, dtype, device and a dense layout."""
     if not (isinstance(t, torch.Tensor) and t.shape == first.shape and t.dtype is first.dtype

@@ -1,8 +1,11 @@
 """The autograd-aware function of Block AttnRes, for training.
 
-``block_attn_res_fn`` calls the ``torch.library`` op ``attnres::block_attn_res``
+``block_attn_res_fn`` is the ``torch.library`` op ``attnres::block_attn_res``
 (``attnres.ops``: the math, what autograd saves, autocast), so it works with
-``loss.backward()`` and under ``torch.compile(fullgraph=True)``. The seed-compatible
+``loss.backward()`` and under ``torch.compile(fullgraph=True)``. In eager mode it
+skips the dispatcher, whose overhead dwarfs the kernel on a few tokens: it calls the
+library directly (no autograd needed) or through ``attnres.ops.BlockAttnResFunction``
+(the same native calls, the same saved tensors, the same bits). The seed-compatible
 functions, with explicit caches and the seed's limits, are in ``attnres.compat``.
 """
 
@@ -13,7 +16,13 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _validate, ops  # noqa: F401  (ops registers torch.ops.attnres.*)
+from . import _native, _validate, ops  # ops also registers torch.ops.attnres.*
+
+_FUNCTION = "block_attn_res_fn"
+_eager = _native.eager
+_grad_enabled = torch.is_grad_enabled
+_plain_inputs = _validate.plain_inputs
+_apply = ops.apply_block_attn_res
 
 __all__ = ["block_attn_res_fn"]
 
@@ -46,8 +55,18 @@ def block_attn_res_fn(blocks: Sequence[Tensor], partial: Optional[Tensor], w: Te
     """
     if not rmsnorm:
         gamma = None
+    if _eager():  # the fast path (attnres.ops); anything unusual falls through
+        grad = _grad_enabled()
+        plain = _plain_inputs(blocks, partial, w, gamma, scale, eps, grad)
+        if plain is not None:
+            if plain[3]:  # requires_grad
+                return _apply((len(blocks), eps, scale, rmsnorm, plain, _FUNCTION),
+                              *blocks, partial, w, gamma)
+            # _native.forward looked up per call: tests spy on it.
+            return _native.forward(blocks, partial, w, gamma, scale=scale, eps=eps,
+                                   rmsnorm=rmsnorm, function=_FUNCTION, _plain=plain)[0]
     # Checked here, not only inside the op, so that torch.compile reports the error
     # while tracing, as it is, naming this function.
-    _validate.inputs("block_attn_res_fn", blocks, partial, w, gamma, scale, eps)
+    _validate.inputs(_FUNCTION, blocks, partial, w, gamma, scale, eps)
     return torch.ops.attnres.block_attn_res(list(blocks), partial, w, gamma, float(eps),
                                             float(scale), bool(rmsnorm))

@@ -56,11 +56,24 @@ class BlockAttnRes(nn.Module):
             nn.init.ones_(self.gamma)
 
     def forward(self, blocks: Sequence[Tensor], partial: Optional[Tensor] = None) -> Tensor:
-        first, _ = _validate.first_source("BlockAttnRes", blocks, partial)
-        dtype = first.dtype
-        gamma = self.gamma.to(dtype) if self.gamma is not None else None
-        return block_attn_res_fn(blocks, partial, self.w.to(dtype), gamma,
-                                 eps=self.eps, scale=self.scale, rmsnorm=self.rmsnorm)
+        first = blocks[0] if blocks.__class__ is list and blocks else None
+        if first.__class__ is Tensor and first.dtype in _validate.SUPPORTED_DTYPES:
+            dtype = first.dtype  # the common case, without the validator's calls
+        else:
+            first = None
+            dtype = _validate.first_source("BlockAttnRes", blocks, partial)[0].dtype
+        w, gamma = self.w, self.gamma
+        if w.dtype is not dtype:  # .to() would return the parameter itself otherwise
+            w = w.to(dtype)
+        if gamma is not None and gamma.dtype is not dtype:
+            gamma = gamma.to(dtype)
+        try:
+            return block_attn_res_fn(blocks, partial, w, gamma,
+                                     eps=self.eps, scale=self.scale, rmsnorm=self.rmsnorm)
+        except ValueError:
+            if first is not None:  # the first source not checked above: named as before
+                _validate.first_source("BlockAttnRes", blocks, partial)
+            raise
 
     def extra_repr(self) -> str:
         gamma = ", gamma=False" if self.rmsnorm and self.gamma is None else ""

@@ -37,6 +37,7 @@ autocast, where matmul outputs are bf16 while the embedding stays fp32 -- raises
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Optional
 
 import torch
@@ -51,6 +52,12 @@ if not hasattr(torch.library, "custom_op"):
 _FORWARD = "attnres::block_attn_res"
 _BACKWARD = "attnres::block_attn_res_backward"
 
+# How many times each custom op's implementation has run (the op name -> count), a
+# diagnostic: in eager mode the front ends take the fast path (below) and these stay
+# put; under torch.compile, make_fx or a torch.func transform they count.
+custom_op_calls: Counter = Counter()
+_grad_enabled = torch.is_grad_enabled
+
 
 # ---------------------------------------------------------------------------------
 # Forward op
@@ -59,6 +66,7 @@ _BACKWARD = "attnres::block_attn_res_backward"
 @torch.library.custom_op("attnres::block_attn_res", mutates_args=())
 def _block_attn_res(blocks: list[Tensor], partial: Optional[Tensor], w: Tensor,
                     gamma: Optional[Tensor], eps: float, scale: float, rmsnorm: bool) -> Tensor:
+    custom_op_calls[_FORWARD] += 1
     h, _, _ = _native.forward(blocks, partial, w, gamma if rmsnorm else None,
                               scale=scale, eps=eps, rmsnorm=rmsnorm, function=_FORWARD)
     return h
@@ -80,6 +88,7 @@ def _block_attn_res_backward(grad_out: Tensor, blocks: list[Tensor], partial: Op
                              w: Tensor, gamma: Optional[Tensor], eps: float, scale: float,
                              rmsnorm: bool, need_blocks: list[bool], need_partial: bool,
                              need_w: bool, need_gamma: bool) -> list[Tensor]:
+    custom_op_calls[_BACKWARD] += 1
     grad_blocks, grad_partial, grad_w, grad_gamma = _native.backward(
         grad_out, blocks, partial, w, gamma if rmsnorm else None,
         scale=scale, eps=eps, rmsnorm=rmsnorm,
@@ -143,3 +152,72 @@ def _backward(ctx, grad_h):
 
 
 _block_attn_res.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------
+# The eager fast path
+# ---------------------------------------------------------------------------------
+#
+# Outside tracing (_native.eager()) the front ends skip the dispatcher: without
+# autograd they call _native.forward themselves, with it they apply
+# BlockAttnResFunction, an autograd.Function over the same native calls that saves
+# what the op's setup_context saves and computes what _backward computes, so both
+# paths give the same bits. Under torch.compile, make_fx, FakeTensorMode or a
+# torch.func transform the front ends call the custom ops above instead.
+
+class BlockAttnResFunction(torch.autograd.Function):
+    """apply(meta, *blocks, partial, w, gamma) with meta = (N, eps, scale, rmsnorm,
+    plain, function): h, as attnres::block_attn_res, for inputs that
+    _validate.plain_inputs() returned `plain` for. partial and gamma may be None
+    (gamma is None without RMSNorm)."""
+
+    @staticmethod
+    def forward(ctx, meta, *tensors):
+        n, eps, scale, rmsnorm, plain, function = meta
+        ctx.meta = (n, eps, scale, rmsnorm, function)
+        ctx.save_for_backward(*tensors)  # by reference, as _setup_context
+        partial, w, gamma = tensors[n:]
+        h, _, _ = _native.forward(tensors[:n], partial, w, gamma, scale=scale, eps=eps,
+                                  rmsnorm=rmsnorm, function=function, _plain=plain)
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        n, eps, scale, rmsnorm, function = ctx.meta
+        saved = ctx.saved_tensors
+        blocks = saved[:n]
+        partial, w, gamma = saved[n:]
+        needs = ctx.needs_input_grad
+        need_blocks = list(needs[1:n + 1])
+        need_partial = needs[n + 1] and partial is not None
+        need_w = needs[n + 2]
+        need_gamma = needs[n + 3] and rmsnorm and gamma is not None
+        if _native.eager() and not _grad_enabled():  # create_graph=False
+            _validate.grad_out(function, "grad_out", grad_h, blocks[0] if n else partial)
+            grad_blocks, grad_partial, grad_w, grad_gamma = _native.backward(
+                grad_h, blocks, partial, w, gamma, scale=scale, eps=eps, rmsnorm=rmsnorm,
+                need_block_grads=need_blocks, need_partial_grad=need_partial,
+                need_proj_weight_grad=need_w, need_gamma_grad=need_gamma,
+                function=function + " (backward)", _validated=True)
+            return (None, *grad_blocks, grad_partial, grad_w, grad_gamma)
+        # Traced (compiled autograd), or create_graph=True: the backward op, as _backward
+        # does (which refuses a double backward as the op does).
+        grads = iter(torch.ops.attnres.block_attn_res_backward(
+            grad_h, list(blocks), partial, w, gamma, eps, scale, rmsnorm, need_blocks,
+            need_partial, need_w, need_gamma))
+        return (None, *[next(grads) if need else None for need in need_blocks],
+                next(grads) if need_partial else None, next(grads) if need_w else None,
+                next(grads) if need_gamma else None)
+
+
+def _fast_apply(cls):
+    """cls.apply without autograd.Function.apply's Python preamble (binding default
+    arguments for a setup_context, which these classes do not define, and unwrapping
+    functorch's dead wrappers, which plain tensors outside any transform are not):
+    the C entry point it ends in. Falls back to cls.apply."""
+    apply = getattr(torch._C, "_FunctionBase", None)
+    apply = apply.__dict__.get("apply") if apply is not None else None
+    return apply.__get__(None, cls) if apply is not None else cls.apply
+
+
+apply_block_attn_res = _fast_apply(BlockAttnResFunction)

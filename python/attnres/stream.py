@@ -128,6 +128,12 @@ class Stream:
         self._awaiting_add = False  # next_input() was called, add() was not
         self._finished = False
         self._phase1: Optional[tuple] = None  # (first query, outs, lses) of this block
+        # The parameters in the stream's dtype (differentiably) and split into rows, made
+        # at the first mix: one cast and one unbind per pass instead of an index and a
+        # cast per query (whose backward would also write a zero-padded copy of the whole
+        # parameter for every row).
+        self._weights: Optional[tuple] = None  # (w, gamma, norm_weight)
+        self._rows: Optional[tuple] = None     # their rows
 
     # -- the public calls ---------------------------------------------------------
 
@@ -179,12 +185,24 @@ class Stream:
             raise RuntimeError(f"BlockAttnResStream: {call}() after finish(); start a new "
                                "stream with begin()")
 
+    def _cast(self) -> tuple:
+        """(w, gamma, norm_weight) in the stream's dtype, differentiably (.to() returns
+        the parameter itself when it already has that dtype)."""
+        if self._weights is None:
+            m, dtype = self._m, self._dtype
+            self._weights = tuple(p.to(dtype) if p is not None else None
+                                  for p in (m.w, m.gamma, m.norm_weight))
+        return self._weights
+
     def _params(self, j: int):
         """Query j's rows, in the stream's dtype (differentiably)."""
-        m = self._m
-        gamma = m.gamma[j].to(self._dtype) if m.gamma is not None else None
-        norm_weight = m.norm_weight[j].to(self._dtype) if m.norm_weight is not None else None
-        return m.w[j].to(self._dtype), gamma, norm_weight
+        rows = self._rows
+        if rows is None:
+            rows = self._rows = tuple(p.unbind(0) if p is not None else None
+                                      for p in self._cast())
+        w, gamma, norm_weight = rows
+        return w[j], gamma[j] if gamma is not None else None, \
+            norm_weight[j] if norm_weight is not None else None
 
     def _mix(self, j: int) -> Tensor:
         m = self._m
@@ -211,8 +229,9 @@ class Stream:
         last = min(j + m.block_size, m.num_sublayers)  # one past the block's last query
         if j == m.num_sublayers or last == m.num_sublayers and last % m.block_size != 0:
             last = m.num_sublayers + 1
-        w = m.w[j:last].to(self._dtype)
-        gamma = m.gamma[j:last].to(self._dtype) if m.gamma is not None else None
+        w, gamma, _ = self._cast()
+        w = w[j:last]
+        gamma = gamma[j:last] if gamma is not None else None
         outs, lses = block_attn_res_phase1(self._blocks, w, gamma, eps=m.eps, scale=m.scale,
                                            rmsnorm=m.rmsnorm)
         self._phase1 = (j, outs, lses)

@@ -28,74 +28,87 @@ memory: the backward kernels recompute logits in the pass that reads the rows an
 
 from __future__ import annotations
 
-import ctypes
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from . import _native, _validate
+from .ops import _fast_apply, custom_op_calls
 
 _PHASE1 = "attnres.block_attn_res_phase1"
 _PHASE2 = "attnres.block_attn_res_phase2"
-
-for _name in ("attnres_phase1_forward", "attnres_phase1_backward", "attnres_phase2_forward",
-              "attnres_phase2_backward"):
-    getattr(_native._lib, _name).argtypes = [ctypes.c_char_p]
-    getattr(_native._lib, _name).restype = ctypes.c_int
 
 
 # ---------------------------------------------------------------------------------
 # Native calls
 # ---------------------------------------------------------------------------------
+#
+# Each packs attnres_params in one pack_into (_native.entry_call): the fields below,
+# the arrays of pointers behind them, every other field at its default. The
+# `_validated` flag of each function below skips the validator for a caller that has
+# run it (the fast path's _validate.plain_phase1/2, or the public function).
+
+_COMMON = ("num_tokens", "dim", "dtype", "device", "stream", "scale", "eps", "rmsnorm")
+_phase1_forward_call = _native.entry_call(
+    "attnres_phase1_forward",
+    _COMMON + ("num_blocks", "source_row_stride", "proj_weight", "gamma", "num_queries",
+               "out_row_stride"),
+    ("blocks", "query_outs", "query_lses"))
+_phase1_backward_call = _native.entry_call(
+    "attnres_phase1_backward",
+    _COMMON + ("num_blocks", "source_row_stride", "proj_weight", "gamma", "num_queries",
+               "grad_out_row_stride", "grad_source_row_stride", "grad_proj_weight",
+               "grad_gamma"),
+    ("blocks", "grad_query_outs", "grad_query_lses", "grad_blocks"))
+_phase2_forward_call = _native.entry_call(
+    "attnres_phase2_forward",
+    _COMMON + ("query_out", "query_lse", "partial", "source_row_stride", "proj_weight", "gamma",
+               "out", "out_row_stride", "input_norm", "norm_eps", "norm_weight"))
+_phase2_backward_call = _native.entry_call(
+    "attnres_phase2_backward",
+    _COMMON + ("query_out", "query_lse", "partial", "source_row_stride", "proj_weight", "gamma",
+               "input_norm", "norm_eps", "norm_weight", "grad_out", "grad_out_row_stride",
+               "grad_query_out", "grad_query_lse", "grad_partial", "grad_source_row_stride",
+               "grad_proj_weight", "grad_gamma", "grad_norm_weight"))
+
 
 def _ptr(t: Optional[Tensor]) -> int:
     return t.data_ptr() if t is not None else 0
 
 
-def _params(**fields) -> bytes:
-    p = _native._Params()
-    _native._lib.attnres_params_init(ctypes.byref(p))
-    for name, value in fields.items():
-        setattr(p, name, value)
-    return bytes(p)
-
-
-def _pointer_array(addresses: List[int]):
-    array = _native._pointers(addresses)
-    return array, ctypes.cast(array.buffer_info()[0], ctypes.POINTER(ctypes.c_void_p))
-
-
-def _common(first: Tensor, tokens: int, dim: int, eps: float, scale: float, rmsnorm: bool,
-            function: str) -> dict:
-    device, stream = _native._stream_and_device(function, first)
-    return dict(num_tokens=tokens, dim=dim, dtype=_native._DTYPES[first.dtype], device=device,
-                stream=stream, scale=scale, eps=eps, rmsnorm=1 if rmsnorm else 0)
+def _device(first: Tensor, function: str) -> Tuple[int, int]:
+    return (_native._DEVICE_CPU, 0) if first.is_cpu else _native._stream_and_device(function,
+                                                                                      first)
 
 
 def phase1_forward(blocks: Sequence[Tensor], w: Tensor, gamma: Optional[Tensor], *, eps: float,
-                   scale: float, rmsnorm: bool, function: str = _PHASE1
-                   ) -> Tuple[List[Tensor], List[Tensor]]:
+                   scale: float, rmsnorm: bool, function: str = _PHASE1,
+                   _validated: bool = False) -> Tuple[List[Tensor], List[Tensor]]:
     """(outs, lses): S outputs [..., D] in the blocks' dtype, S LSEs [...] fp32/fp64."""
-    blocks, dim, num_queries = _validate.phase1(function, blocks, w, gamma, eps, scale)
+    if _validated:
+        blocks, dim, num_queries = list(blocks), blocks[0].shape[-1], w.shape[0]
+    else:
+        blocks, dim, num_queries = _validate.phase1(function, blocks, w, gamma, eps, scale)
     blocks, stride = _native._rows(blocks, dim)
     first = blocks[0]
     tokens = first.numel() // dim
     nbytes = tokens * dim * _native._ELEMENT_BYTES[first.dtype]
     outs = [_native._new_output(first, nbytes) for _ in range(num_queries)]
     acc = _native.accumulation_dtype(first.dtype)
-    lses = [first.new_empty(first.shape[:-1], dtype=acc) for _ in range(num_queries)]
+    lse_shape = first.shape[:-1]
+    lses = [first.new_empty(lse_shape, dtype=acc) for _ in range(num_queries)]
     if tokens == 0:
         return outs, lses
+    # Held in locals until the call returns: a temporary's storage would be freed
+    # before the library reads it.
     w, gamma = w.contiguous(), (gamma.contiguous() if rmsnorm and gamma is not None else None)
-    block_array, block_ptrs = _pointer_array([b.data_ptr() for b in blocks])
-    out_array, out_ptrs = _pointer_array([o.data_ptr() for o in outs])
-    lse_array, lse_ptrs = _pointer_array([x.data_ptr() for x in lses])
-    p = _params(**_common(first, tokens, dim, eps, scale, rmsnorm, function),
-                num_blocks=len(blocks), blocks=block_ptrs, source_row_stride=stride,
-                proj_weight=w.data_ptr(), gamma=_ptr(gamma), num_queries=num_queries,
-                query_outs=out_ptrs, out_row_stride=dim, query_lses=lse_ptrs)
-    _native._call(_native._lib.attnres_phase1_forward, p, first)
+    device, stream = _device(first, function)
+    _phase1_forward_call(
+        first, tokens, dim, _native._DTYPES[first.dtype], device, stream, scale, eps,
+        1 if rmsnorm else 0, len(blocks), stride, w.data_ptr(), _ptr(gamma), num_queries, dim,
+        [b.data_ptr() for b in blocks], [o.data_ptr() for o in outs],
+        [x.data_ptr() for x in lses])
     return outs, lses
 
 
@@ -103,9 +116,12 @@ def phase1_backward(grad_outs: Sequence[Optional[Tensor]], grad_lses: Sequence[O
                     blocks: Sequence[Tensor], w: Tensor, gamma: Optional[Tensor], *, eps: float,
                     scale: float, rmsnorm: bool, need_blocks: Optional[Sequence[bool]] = None,
                     need_w: bool = True, need_gamma: bool = True,
-                    function: str = _PHASE1 + " (backward)"):
+                    function: str = _PHASE1 + " (backward)", _validated: bool = False):
     """(grad_blocks: list of N (tensor or None), grad_w [S, D] or None, grad_gamma or None)."""
-    blocks, dim, num_queries = _validate.phase1(function, blocks, w, gamma, eps, scale)
+    if _validated:
+        blocks, dim, num_queries = list(blocks), blocks[0].shape[-1], w.shape[0]
+    else:
+        blocks, dim, num_queries = _validate.phase1(function, blocks, w, gamma, eps, scale)
     for name, grads in (("grad_outs", grad_outs), ("grad_lses", grad_lses)):
         if len(grads) != num_queries:
             raise _validate.error(function, name, f"a list of S = {num_queries} (one per query)",
@@ -135,17 +151,13 @@ def phase1_backward(grad_outs: Sequence[Optional[Tensor]], grad_lses: Sequence[O
                 g.zero_()
         return grad_blocks, grad_w, grad_gamma
     w, gamma = w.contiguous(), (gamma.contiguous() if gamma is not None else None)
-    block_array, block_ptrs = _pointer_array([b.data_ptr() for b in blocks])
-    grad_array, grad_ptrs = _pointer_array([_ptr(g) for g in grad_blocks])
-    go_array, go_ptrs = _pointer_array([_ptr(g) for g in grad_outs])
-    gl_array, gl_ptrs = _pointer_array([_ptr(g) for g in grad_lses])
-    p = _params(**_common(first, tokens, dim, eps, scale, rmsnorm, function),
-                num_blocks=len(blocks), blocks=block_ptrs, source_row_stride=stride,
-                proj_weight=w.data_ptr(), gamma=_ptr(gamma), num_queries=num_queries,
-                grad_query_outs=go_ptrs, grad_out_row_stride=dim, grad_query_lses=gl_ptrs,
-                grad_blocks=grad_ptrs, grad_source_row_stride=dim,
-                grad_proj_weight=_ptr(grad_w), grad_gamma=_ptr(grad_gamma))
-    _native._call(_native._lib.attnres_phase1_backward, p, first)
+    device, stream = _device(first, function)
+    _phase1_backward_call(
+        first, tokens, dim, _native._DTYPES[first.dtype], device, stream, scale, eps,
+        1 if rmsnorm else 0, len(blocks), stride, w.data_ptr(), _ptr(gamma), num_queries, dim,
+        dim, _ptr(grad_w), _ptr(grad_gamma), [b.data_ptr() for b in blocks],
+        [_ptr(g) for g in grad_outs], [_ptr(g) for g in grad_lses],
+        [_ptr(g) for g in grad_blocks])
     return grad_blocks, grad_w, grad_gamma
 
 
@@ -158,27 +170,40 @@ def _phase2_rows(out: Tensor, partial: Optional[Tensor]) -> Tuple[Tensor, Option
 def phase2_forward(out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Tensor,
                    gamma: Optional[Tensor], *, eps: float, scale: float, rmsnorm: bool,
                    norm_weight: Optional[Tensor] = None, input_norm: bool = False,
-                   norm_eps: float = 1e-6, function: str = _PHASE2) -> Tensor:
-    """h (or RMSNorm(h) * norm_weight with input_norm), [..., D] in out's dtype."""
-    _validate.phase2(function, out, lse, partial, w, gamma, norm_weight, eps, scale, norm_eps)
+                   norm_eps: float = 1e-6, function: str = _PHASE2, _validated: bool = False,
+                   _contiguous: bool = False) -> Tensor:
+    """h (or RMSNorm(h) * norm_weight with input_norm), [..., D] in out's dtype.
+    `_contiguous`: the caller has also seen every tensor contiguous."""
+    if not _validated:
+        _validate.phase2(function, out, lse, partial, w, gamma, norm_weight, eps, scale,
+                         norm_eps)
     dim = out.shape[-1]
     tokens = out.numel() // dim
-    out, partial, stride = _phase2_rows(out, partial)
-    result = _native._new_output(out, tokens * dim * _native._ELEMENT_BYTES[out.dtype])
+    if _contiguous:
+        stride = dim
+        result = _native._empty_like(out)
+        nbytes = tokens * dim * _native._ELEMENT_BYTES[out.dtype]
+        if nbytes >= _native._LARGE:
+            result = _native._new_output(out, nbytes)
+    else:
+        out, partial, stride = _phase2_rows(out, partial)
+        result = _native._new_output(out, tokens * dim * _native._ELEMENT_BYTES[out.dtype])
     if tokens == 0:
         return result
-    # Held in locals until the call returns: a temporary's storage would be freed
-    # before the library reads it.
-    lse, w = lse.contiguous(), w.contiguous()
-    gamma = gamma.contiguous() if rmsnorm and gamma is not None else None
-    norm_weight = norm_weight.contiguous() if input_norm and norm_weight is not None else None
-    p = _params(**_common(out, tokens, dim, eps, scale, rmsnorm, function),
-                query_out=out.data_ptr(), query_lse=lse.data_ptr(), partial=_ptr(partial),
-                source_row_stride=stride, proj_weight=w.data_ptr(),
-                gamma=_ptr(gamma), out=result.data_ptr(), out_row_stride=dim,
-                input_norm=1 if input_norm else 0, norm_eps=norm_eps,
-                norm_weight=_ptr(norm_weight))
-    _native._call(_native._lib.attnres_phase2_forward, p, out)
+    gamma = gamma if rmsnorm else None
+    norm_weight = norm_weight if input_norm else None
+    if not _contiguous:
+        # Held in locals until the call returns: a temporary's storage would be freed
+        # before the library reads it.
+        lse, w = lse.contiguous(), w.contiguous()
+        gamma = gamma.contiguous() if gamma is not None else None
+        norm_weight = norm_weight.contiguous() if norm_weight is not None else None
+    device, stream = _device(out, function)
+    _phase2_forward_call(
+        out, tokens, dim, _native._DTYPES[out.dtype], device, stream, scale, eps,
+        1 if rmsnorm else 0, out.data_ptr(), lse.data_ptr(), _ptr(partial), stride,
+        w.data_ptr(), _ptr(gamma), result.data_ptr(), dim, 1 if input_norm else 0, norm_eps,
+        _ptr(norm_weight))
     return result
 
 
@@ -186,10 +211,12 @@ def phase2_backward(grad: Tensor, out: Tensor, lse: Tensor, partial: Optional[Te
                     gamma: Optional[Tensor], *, eps: float, scale: float, rmsnorm: bool,
                     norm_weight: Optional[Tensor] = None, input_norm: bool = False,
                     norm_eps: float = 1e-6, need: Sequence[bool] = (True,) * 6,
-                    function: str = _PHASE2 + " (backward)"):
+                    function: str = _PHASE2 + " (backward)", _validated: bool = False):
     """Gradients (out, lse, partial, w, gamma, norm_weight), None where not needed or
     not applicable."""
-    _validate.phase2(function, out, lse, partial, w, gamma, norm_weight, eps, scale, norm_eps)
+    if not _validated:
+        _validate.phase2(function, out, lse, partial, w, gamma, norm_weight, eps, scale,
+                         norm_eps)
     dim = out.shape[-1]
     tokens = out.numel() // dim
     grad = grad.to(out.dtype)
@@ -215,18 +242,13 @@ def phase2_backward(grad: Tensor, out: Tensor, lse: Tensor, partial: Optional[Te
             if g is not None:
                 g.zero_()
         return result
-    p = _params(**_common(out, tokens, dim, eps, scale, rmsnorm, function),
-                query_out=out.data_ptr(), query_lse=lse.data_ptr(),
-                partial=_ptr(partial), source_row_stride=stride,
-                proj_weight=w.data_ptr(), gamma=_ptr(gamma),
-                input_norm=1 if input_norm else 0, norm_eps=norm_eps,
-                norm_weight=_ptr(norm_weight),
-                grad_out=grad.data_ptr(), grad_out_row_stride=grad_stride,
-                grad_query_out=_ptr(grad_out), grad_query_lse=_ptr(grad_lse),
-                grad_partial=_ptr(grad_partial), grad_source_row_stride=dim,
-                grad_proj_weight=_ptr(grad_w), grad_gamma=_ptr(grad_gamma),
-                grad_norm_weight=_ptr(grad_nw))
-    _native._call(_native._lib.attnres_phase2_backward, p, out)
+    device, stream = _device(out, function)
+    _phase2_backward_call(
+        out, tokens, dim, _native._DTYPES[out.dtype], device, stream, scale, eps,
+        1 if rmsnorm else 0, out.data_ptr(), lse.data_ptr(), _ptr(partial), stride,
+        w.data_ptr(), _ptr(gamma), 1 if input_norm else 0, norm_eps, _ptr(norm_weight),
+        grad.data_ptr(), grad_stride, _ptr(grad_out), _ptr(grad_lse), _ptr(grad_partial), dim,
+        _ptr(grad_w), _ptr(grad_gamma), _ptr(grad_nw))
     return result
 
 
@@ -238,6 +260,7 @@ def phase2_backward(grad: Tensor, out: Tensor, lse: Tensor, partial: Optional[Te
 def _phase1(blocks: list[Tensor], w: Tensor, gamma: Optional[Tensor], eps: float, scale: float,
             rmsnorm: bool) -> list[Tensor]:
     """The S outputs then the S LSEs, in one list (a fixed length: 2S)."""
+    custom_op_calls["attnres::phase1"] += 1
     outs, lses = phase1_forward(blocks, w, gamma, eps=eps, scale=scale, rmsnorm=rmsnorm)
     return outs + lses
 
@@ -257,6 +280,7 @@ def _phase1_backward(grad_outs: list[Optional[Tensor]], grad_lses: list[Optional
                      scale: float, rmsnorm: bool, need_blocks: list[bool], need_w: bool,
                      need_gamma: bool) -> list[Tensor]:
     """The needed gradients, in the order (needed blocks..., w, gamma)."""
+    custom_op_calls["attnres::phase1_backward"] += 1
     grad_blocks, grad_w, grad_gamma = phase1_backward(
         grad_outs, grad_lses, blocks, w, gamma, eps=eps, scale=scale, rmsnorm=rmsnorm,
         need_blocks=need_blocks, need_w=need_w, need_gamma=need_gamma)
@@ -307,6 +331,7 @@ _phase1.register_autograd(_phase1_grad, setup_context=_phase1_setup_context)
 def _phase2(out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Tensor,
             gamma: Optional[Tensor], norm_weight: Optional[Tensor], eps: float, scale: float,
             rmsnorm: bool, input_norm: bool, norm_eps: float) -> Tensor:
+    custom_op_calls["attnres::phase2"] += 1
     return phase2_forward(out, lse, partial, w, gamma, eps=eps, scale=scale, rmsnorm=rmsnorm,
                           norm_weight=norm_weight, input_norm=input_norm, norm_eps=norm_eps)
 
@@ -324,6 +349,7 @@ def _phase2_backward(grad: Tensor, out: Tensor, lse: Tensor, partial: Optional[T
                      scale: float, rmsnorm: bool, input_norm: bool, norm_eps: float,
                      need: list[bool]) -> list[Tensor]:
     """The needed gradients of (out, lse, partial, w, gamma, norm_weight), in that order."""
+    custom_op_calls["attnres::phase2_backward"] += 1
     grads = phase2_backward(grad, out, lse, partial, w, gamma, eps=eps, scale=scale,
                             rmsnorm=rmsnorm, norm_weight=norm_weight, input_norm=input_norm,
                             norm_eps=norm_eps, need=need)
@@ -364,6 +390,94 @@ _phase2.register_autograd(_phase2_grad, setup_context=_phase2_setup_context)
 
 
 # ---------------------------------------------------------------------------------
+# The eager fast path (as attnres.ops.BlockAttnResFunction for the single op)
+# ---------------------------------------------------------------------------------
+#
+# Outside tracing (_native.eager()) the public functions skip the dispatcher: they
+# call phase1_forward / phase2_forward themselves when nothing needs a gradient, and
+# apply these autograd.Functions otherwise. Each saves what the op's setup_context
+# saves and computes what its autograd formula computes, through the same native
+# calls, so both paths give the same bits.
+
+class Phase1Function(torch.autograd.Function):
+    """apply((N, S, eps, scale, rmsnorm), *blocks, w, gamma) -> (*outs, *lses), as
+    attnres::phase1, for inputs _validate.plain_phase1() accepted (gamma None without
+    RMSNorm)."""
+
+    @staticmethod
+    def forward(ctx, meta, *tensors):
+        n, _, eps, scale, rmsnorm = meta
+        ctx.meta = meta
+        ctx.save_for_backward(*tensors)  # by reference, as _phase1_setup_context
+        outs, lses = phase1_forward(tensors[:n], tensors[n], tensors[n + 1], eps=eps,
+                                    scale=scale, rmsnorm=rmsnorm, _validated=True)
+        return (*outs, *lses)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n, num_queries, eps, scale, rmsnorm = ctx.meta
+        saved = ctx.saved_tensors
+        blocks, (w, gamma) = list(saved[:n]), saved[n:]
+        needs = ctx.needs_input_grad
+        need_blocks = list(needs[1:n + 1])
+        need_w = needs[n + 1]
+        need_gamma = needs[n + 2] and gamma is not None
+        grad_outs, grad_lses = list(grads[:num_queries]), list(grads[num_queries:])
+        if _native.eager() and not _grad_enabled():  # create_graph=False
+            grad_blocks, grad_w, grad_gamma = phase1_backward(
+                grad_outs, grad_lses, blocks, w, gamma, eps=eps, scale=scale, rmsnorm=rmsnorm,
+                need_blocks=need_blocks, need_w=need_w, need_gamma=need_gamma,
+                _validated=True)
+            return (None, *grad_blocks, grad_w, grad_gamma)
+        # Traced (compiled autograd), or create_graph=True: the backward op, as
+        # _phase1_grad does (which refuses a double backward as the op does).
+        result = iter(torch.ops.attnres.phase1_backward(
+            grad_outs, grad_lses, blocks, w, gamma, eps, scale, rmsnorm, need_blocks, need_w,
+            need_gamma))
+        return (None, *[next(result) if need else None for need in need_blocks],
+                next(result) if need_w else None, next(result) if need_gamma else None)
+
+
+class Phase2Function(torch.autograd.Function):
+    """apply((eps, scale, rmsnorm, input_norm, norm_eps, contiguous), out, lse, partial, w,
+    gamma, norm_weight) -> h, as attnres::phase2, for inputs _validate.plain_phase2()
+    accepted (gamma None without RMSNorm, norm_weight None without input_norm)."""
+
+    @staticmethod
+    def forward(ctx, meta, out, lse, partial, w, gamma, norm_weight):
+        eps, scale, rmsnorm, input_norm, norm_eps, contiguous = meta
+        ctx.meta = meta
+        ctx.save_for_backward(out, lse, partial, w, gamma, norm_weight)  # as the op's
+        return phase2_forward(out, lse, partial, w, gamma, eps=eps, scale=scale,
+                              rmsnorm=rmsnorm, norm_weight=norm_weight, input_norm=input_norm,
+                              norm_eps=norm_eps, _validated=True, _contiguous=contiguous)
+
+    @staticmethod
+    def backward(ctx, grad):
+        eps, scale, rmsnorm, input_norm, norm_eps, _ = ctx.meta
+        out, lse, partial, w, gamma, norm_weight = ctx.saved_tensors
+        need = _phase2_applicable(ctx.needs_input_grad[1:], partial, gamma, rmsnorm, input_norm)
+        if _native.eager() and not _grad_enabled():  # create_graph=False
+            grads = phase2_backward(grad, out, lse, partial, w, gamma, eps=eps, scale=scale,
+                                    rmsnorm=rmsnorm, norm_weight=norm_weight,
+                                    input_norm=input_norm, norm_eps=norm_eps, need=need,
+                                    _validated=True)
+            return (None, *[g if n else None for g, n in zip(grads, need)])
+        # Traced (compiled autograd), or create_graph=True: the backward op, as
+        # _phase2_grad does (which refuses a double backward as the op does).
+        result = iter(torch.ops.attnres.phase2_backward(
+            grad, out, lse, partial, w, gamma, norm_weight, eps, scale, rmsnorm, input_norm,
+            norm_eps, need))
+        return (None, *[next(result) if n else None for n in need])
+
+
+_apply_phase1 = _fast_apply(Phase1Function)
+_apply_phase2 = _fast_apply(Phase2Function)
+_eager = _native.eager
+_grad_enabled = torch.is_grad_enabled
+
+
+# ---------------------------------------------------------------------------------
 # Public functions
 # ---------------------------------------------------------------------------------
 
@@ -377,6 +491,17 @@ def block_attn_res_phase1(blocks: Sequence[Tensor], w: Tensor, gamma: Optional[T
     S tensors ``[..., D]`` in the blocks' dtype and S tensors ``[...]`` in fp32 (fp64
     for fp64 blocks).
     """
+    if _eager():  # the fast path; anything unusual falls through to the op
+        plain = _validate.plain_phase1(blocks, w, gamma, eps, scale, _grad_enabled())
+        if plain is not None:
+            blocks, num_queries = plain[0], plain[6]
+            gamma = gamma if rmsnorm else None
+            if not plain[3]:  # nothing requires grad
+                return phase1_forward(blocks, w, gamma, eps=eps, scale=scale, rmsnorm=rmsnorm,
+                                      _validated=True)
+            result = _apply_phase1((len(blocks), num_queries, eps, scale, rmsnorm), *blocks, w,
+                                   gamma)
+            return list(result[:num_queries]), list(result[num_queries:])
     if not isinstance(blocks, (list, tuple)):
         raise _validate.error(_PHASE1, "blocks", "a list or tuple of tensors",
                               _validate._kind(blocks))
@@ -405,6 +530,21 @@ def block_attn_res_phase2(out: Tensor, lse: Tensor, partial: Optional[Tensor], w
     if norm_weight is not None and not input_norm:
         raise _validate.error(_PHASE2, "norm_weight", "None when input_norm=False",
                               "a tensor")
+    if _eager():  # the fast path; anything unusual falls through to the op
+        plain = _validate.plain_phase2(out, lse, partial, w, gamma, norm_weight, eps, scale,
+                                       norm_eps, _grad_enabled())
+        if plain is not None:
+            if partial is None and not input_norm:  # h = out
+                return out
+            gamma = gamma if rmsnorm else None
+            contiguous, requires_grad = plain
+            if requires_grad:
+                return _apply_phase2((eps, scale, rmsnorm, input_norm, norm_eps, contiguous),
+                                     out, lse, partial, w, gamma, norm_weight)
+            return phase2_forward(out, lse, partial, w, gamma, eps=eps, scale=scale,
+                                  rmsnorm=rmsnorm, norm_weight=norm_weight,
+                                  input_norm=input_norm, norm_eps=norm_eps, _validated=True,
+                                  _contiguous=contiguous)
     _validate.phase2(_PHASE2, out, lse, partial, w, gamma, norm_weight, eps, scale, norm_eps)
     if partial is None and not input_norm:  # h = out
         return out
