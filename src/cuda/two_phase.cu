@@ -1015,7 +1015,7 @@ attnres_status RunPhase2(const Call& call) {
     }
   }
   char* u_rows = partials.get<char>();
-  char* norm_rows = u_rows + rows_bytes;
+  char* norm_rows = u_rows != nullptr ? u_rows + rows_bytes : nullptr;
   if (tokens == 0) {  // the weight gradients are zero, as on the CPU
     return call.weight_grads ? ReducePartials<T>(call, u_rows, norm_rows, 0) : ATTNRES_OK;
   }
