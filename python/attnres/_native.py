@@ -164,7 +164,8 @@ def _buffer(num_pointers: int) -> Tuple[ctypes.Array, int]:
     """This thread's scratch buffer, large enough for the params and num_pointers
     pointers, and its address. One per thread: ctypes releases the GIL during a call,
     so another thread may pack its own call meanwhile; within a thread a call has
-    returned before the next one packs."""
+    returned before the next one packs (nothing between the packing and the call runs
+    Python code that could call attnres, short of a finalizer that does so itself)."""
     try:
         buf, address, capacity = _scratch.state
         if num_pointers <= capacity:
@@ -241,16 +242,28 @@ def entry_call(entry: str, fields: Sequence[str], arrays: Sequence[str] = ()):
     values = ", ".join(given.get(name, f"D[{i}]") for i, (name, _) in enumerate(_Params._fields_))
     lines = [f"def call(like, {', '.join([*given.values()][:len(fields)] + [f'a_{n}' for n in arrays])}):"]
     lines.append(f"    count = {' + '.join(f'len(a_{n})' for n in arrays) or '0'}")
-    lines.append("    buf, base = buffer(count)")
+    lines.append("    try:")
+    lines.append("        buf, base, capacity = scratch.state")
+    lines.append("        if count > capacity:")
+    lines.append("            buf, base = buffer(count)")
+    lines.append("    except AttributeError:")
+    lines.append("        buf, base = buffer(count)")
     offset = "base + SIZE"
     for name in arrays:
         lines.append(f"    o_{name} = {offset}")
         offset = f"o_{name} + PS * len(a_{name})"
     pointers = "".join(f", *a_{n}" for n in arrays)
-    lines.append(f"    packer(count).pack_into(buf, 0, {values}{pointers})")
-    lines.append("    call_entry(function, base, like)")
-    namespace = {"D": DEFAULTS, "buffer": _buffer, "packer": _packer, "SIZE": _PARAMS_SIZE,
-                 "PS": _POINTER_SIZE, "call_entry": _call, "function": getattr(_lib, entry)}
+    lines.append("    packer = PACKERS.get(count) or make_packer(count)")
+    lines.append(f"    packer.pack_into(buf, 0, {values}{pointers})")
+    lines.append("    if like.is_cpu:")
+    lines.append("        status = function(base)")
+    lines.append("        if status:")
+    lines.append("            check(status)")
+    lines.append("    else:")
+    lines.append("        call_entry(function, base, like)")
+    namespace = {"D": DEFAULTS, "scratch": _scratch, "buffer": _buffer, "PACKERS": _PACKERS,
+                 "make_packer": _packer, "SIZE": _PARAMS_SIZE, "PS": _POINTER_SIZE,
+                 "call_entry": _call, "check": _check, "function": getattr(_lib, entry)}
     exec("\n".join(lines), namespace)  # noqa: S102  (the source is built above from names)
     call = namespace["call"]
     call.__doc__ = f"{entry} with {', '.join(fields)}; arrays {', '.join(arrays) or 'none'}"
@@ -408,29 +421,27 @@ def _stream_and_device(function: str, x: torch.Tensor) -> Tuple[int, int]:
 _LARGE = 2 * _HUGE_PAGE
 _empty_like = torch.empty_like
 _forward_entry = _lib.attnres_forward
-# The single op's forward on plain contiguous inputs packs only the fields it sets
-# (abi_version .. out_row_stride) and its block pointers, into a scratch buffer of its
-# own whose other fields hold their defaults from the start.
-_FORWARD_HEAD = struct.Struct(
-    "@" + "".join(_STRUCT_CODES.get(t, "P")
-                  for _, t in _Params._fields_[:FIELDS["out_row_stride"] + 1]))
-_POINTERS: dict = {}  # count -> Struct of that many pointers
+# The single op's forward on plain contiguous inputs packs its block pointers and the
+# fields it sets (abi_version .. out_row_stride) in one pack_into, into a scratch
+# buffer per number of pointers (per thread) that holds the pointers first and then
+# attnres_params, whose other fields hold their defaults from the start.
+_FORWARD_HEAD_FORMAT = "".join(_STRUCT_CODES.get(t, "P")
+                               for _, t in _Params._fields_[:FIELDS["out_row_stride"] + 1])
+if struct.calcsize("@" + _FORWARD_HEAD_FORMAT) != _Params.rms_cache.offset:
+    raise ImportError("attnres._native: the forward's head of attnres_params is misaligned")
 
 
-def _forward_buffer(num_pointers: int) -> Tuple[ctypes.Array, int]:
-    """_buffer() for _forward_plain(): its fields after out_row_stride are the defaults."""
+def _forward_buffer(count: int) -> Tuple[ctypes.Array, int, struct.Struct]:
+    """(buffer, its address, packer) for _forward_plain() with `count` pointers."""
     try:
-        buf, address, capacity = _scratch.forward
-        if num_pointers <= capacity:
-            return buf, address
+        buffers = _scratch.forward
     except AttributeError:
-        capacity = 0
-    capacity = max(num_pointers, 2 * capacity, 256)
-    buf = ctypes.create_string_buffer(_PARAMS_SIZE + _POINTER_SIZE * capacity)
-    address = ctypes.addressof(buf)
-    _packer(0).pack_into(buf, 0, *DEFAULTS)
-    _scratch.forward = (buf, address, capacity)
-    return buf, address
+        buffers = _scratch.forward = {}
+    buf = ctypes.create_string_buffer(_POINTER_SIZE * count + _PARAMS_SIZE)
+    base = ctypes.addressof(buf)
+    _packer(0).pack_into(buf, _POINTER_SIZE * count, *DEFAULTS)
+    entry = buffers[count] = (buf, base, struct.Struct(f"@{count}P" + _FORWARD_HEAD_FORMAT))
+    return entry
 
 
 def _forward_plain(plain, has_partial: bool, proj_weight: torch.Tensor,
@@ -448,33 +459,26 @@ def _forward_plain(plain, has_partial: bool, proj_weight: torch.Tensor,
         out = _new_output(first, nbytes)
     if tokens == 0:  # empty tensors may have null data pointers, which the ABI refuses
         return out
-    if first.is_cpu:
-        device, stream = _DEVICE_CPU, 0
-    else:
-        device, stream = _stream_and_device("", first)
+    on_cpu = first.is_cpu
+    device, stream = (_DEVICE_CPU, 0) if on_cpu else _stream_and_device("", first)
     count = len(pointers)  # the blocks' pointers, then the partial block's
-    num_blocks = count - 1 if has_partial else count
     try:
-        buf, base, capacity = _scratch.forward
-        if count > capacity:
-            buf, base = _forward_buffer(count)
-    except AttributeError:
-        buf, base = _forward_buffer(count)
-    _FORWARD_HEAD.pack_into(
-        buf, 0, _ABI_VERSION, tokens, dim, num_blocks, _DTYPES[dtype], device, stream,
-        base + _PARAMS_SIZE, pointers[-1] if has_partial else 0, dim, proj_weight.data_ptr(),
-        gamma.data_ptr() if gamma is not None else 0, scale, eps, 1 if rmsnorm else 0,
-        out.data_ptr(), dim)
-    packer = _POINTERS.get(count)
-    if packer is None:
-        packer = _POINTERS[count] = struct.Struct(f"@{count}P")
-    packer.pack_into(buf, _PARAMS_SIZE, *pointers)  # the partial's last: never read as a block
-    if device == _DEVICE_CPU:
-        status = _forward_entry(base)
+        buf, base, packer = _scratch.forward[count]
+    except (AttributeError, KeyError):
+        buf, base, packer = _forward_buffer(count)
+    params = base + _POINTER_SIZE * count
+    # The pointers (the partial's last: never read as a block), then the params.
+    packer.pack_into(
+        buf, 0, *pointers, _ABI_VERSION, tokens, dim, count - 1 if has_partial else count,
+        _DTYPES[dtype], device, stream, base, pointers[-1] if has_partial else 0, dim,
+        proj_weight.data_ptr(), gamma.data_ptr() if gamma is not None else 0, scale, eps,
+        1 if rmsnorm else 0, out.data_ptr(), dim)
+    if on_cpu:
+        status = _forward_entry(params)
         if status:
             _check(status)
     else:
-        _call(_forward_entry, base, first)
+        _call(_forward_entry, params, first)
     return out
 
 

@@ -190,27 +190,33 @@ def plain_inputs(blocks: object, partial: object, w: object, gamma: object, scal
     first = sources[0]
     if first.__class__ not in _PLAIN or first.layout is not _STRIDED:
         return None
-    dtype, shape = first.dtype, first.shape
-    if dtype not in _SUPPORTED or not shape:
-        return None
-    on_cpu = first.is_cpu
-    if on_cpu:
-        device = None
-    elif first.is_cuda:
-        device = first.device
-    else:
-        return None
-    contiguous = first.is_contiguous()
-    pointers = [first.data_ptr()]
-    rest = iter(sources)
-    next(rest)
-    for t in rest:  # the same tests as for first, written out: this loop is the cost
-        if (t.__class__ not in _PLAIN or t.dtype is not dtype or t.layout is not _STRIDED
-                or not (t.is_cpu if on_cpu else t.device == device) or t.shape != shape):
+    try:
+        dtype, shape = first.dtype, first.shape
+        if dtype not in _SUPPORTED or not shape:
             return None
-        if contiguous and not t.is_contiguous():
-            contiguous = False
-        pointers.append(t.data_ptr())
+        on_cpu = first.is_cpu
+        if on_cpu:
+            device = None
+        elif first.is_cuda:
+            device = first.device
+        else:
+            return None
+        contiguous = first.is_contiguous()
+        pointers = [first.data_ptr()]
+        rest = iter(sources)
+        next(rest)
+        # The same tests as for first, written out: this loop is the cost. The layout
+        # is not looked at: data_ptr() raises for every tensor without a strided
+        # storage (sparse, mkldnn), which leaves the fast path below.
+        for t in rest:
+            if (t.__class__ not in _PLAIN or t.dtype is not dtype
+                    or not (t.is_cpu if on_cpu else t.device == device) or t.shape != shape):
+                return None
+            if contiguous and not t.is_contiguous():
+                contiguous = False
+            pointers.append(t.data_ptr())
+    except RuntimeError:  # no storage, or no shape (a nested tensor): inputs() says what
+        return None
     vector = (shape[-1],)
     for t in (w, gamma) if gamma is not None else (w,):
         if (t.__class__ not in _PLAIN or t.dtype is not dtype or t.layout is not _STRIDED

@@ -198,12 +198,14 @@ def phase2_forward(out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Tenso
         lse, w = lse.contiguous(), w.contiguous()
         gamma = gamma.contiguous() if gamma is not None else None
         norm_weight = norm_weight.contiguous() if norm_weight is not None else None
-    device, stream = _device(out, function)
+    device, stream = (_native._DEVICE_CPU, 0) if out.is_cpu else _device(out, function)
     _phase2_forward_call(
         out, tokens, dim, _native._DTYPES[out.dtype], device, stream, scale, eps,
-        1 if rmsnorm else 0, out.data_ptr(), lse.data_ptr(), _ptr(partial), stride,
-        w.data_ptr(), _ptr(gamma), result.data_ptr(), dim, 1 if input_norm else 0, norm_eps,
-        _ptr(norm_weight))
+        1 if rmsnorm else 0, out.data_ptr(), lse.data_ptr(),
+        partial.data_ptr() if partial is not None else 0, stride, w.data_ptr(),
+        gamma.data_ptr() if gamma is not None else 0, result.data_ptr(), dim,
+        1 if input_norm else 0, norm_eps,
+        norm_weight.data_ptr() if norm_weight is not None else 0)
     return result
 
 
