@@ -240,7 +240,8 @@ def entry_call(entry: str, fields: Sequence[str], arrays: Sequence[str] = ()):
     given = {name: f"v_{name}" for name in fields}
     given.update({name: f"o_{name}" for name in arrays})
     values = ", ".join(given.get(name, f"D[{i}]") for i, (name, _) in enumerate(_Params._fields_))
-    lines = [f"def call(like, {', '.join([*given.values()][:len(fields)] + [f'a_{n}' for n in arrays])}):"]
+    parameters = [f"v_{n}" for n in fields] + [f"a_{n}" for n in arrays]
+    lines = [f"def call(like, {', '.join(parameters)}):"]
     lines.append(f"    count = {' + '.join(f'len(a_{n})' for n in arrays) or '0'}")
     lines.append("    try:")
     lines.append("        buf, base, capacity = scratch.state")
