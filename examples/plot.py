@@ -4,9 +4,11 @@
     python3 examples/plot.py runs/plain-* runs/block4-* runs/full-* --out curves.png
 
 Left panel: validation loss vs optimizer step (does the scheme learn more per step?).
-Right panel: the same vs training wall time, evaluation excluded (is it better per
-second of compute on this machine?). Runs of one scheme share a colour; seeds differ
-by line style. The legend comes from each run's config.json.
+Right panel: the same vs training time, evaluation excluded (is it better per second
+of compute on this machine?): wall-clock time, or with --time cpu the CPU time of all
+threads, which other processes on a shared machine disturb far less (compare runs
+with one thread count). Runs of one scheme share a colour; seeds differ by line
+style. The legend comes from each run's config.json.
 """
 
 from __future__ import annotations
@@ -55,11 +57,30 @@ def label_of(run: dict, differing: set[str]) -> str:
     return ", ".join(parts)
 
 
+def cpu_minutes(run: dict) -> list[float]:
+    """Cumulative training CPU time at each evaluation, from each interval's tokens
+    per CPU-second (metrics.jsonl logs the rate; the tokens follow from the steps)."""
+    tokens_per_step = run["args"]["batch"] * run["args"]["context"]
+    total, out, prev = 0.0, [], 0
+    for row in run["rows"]:
+        rate = row.get("tokens_per_cpu_s")
+        if rate is None:
+            raise SystemExit(f"{run['path']}: no tokens_per_cpu_s in metrics.jsonl; "
+                             "use --time wall")
+        if row["step"] > prev and rate > 0:
+            total += (row["step"] - prev) * tokens_per_step / rate
+        prev = row["step"]
+        out.append(total / 60)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="run directories of train_lm.py")
     p.add_argument("--out", required=True, help="PNG file to write")
     p.add_argument("--title", default=None)
+    p.add_argument("--time", choices=["wall", "cpu"], default="wall",
+                   help="right panel: training wall time, or CPU time of all threads")
     p.add_argument("--ylim", nargs=2, type=float, metavar=("LO", "HI"),
                    help="loss axis range (default: the interesting part of the curves)")
     args = p.parse_args(argv)
@@ -87,7 +108,8 @@ def main(argv=None) -> int:
     for run in runs:
         rows = run["rows"]
         steps = [r["step"] for r in rows]
-        minutes = [r["train_time_s"] / 60 for r in rows]
+        minutes = ([r["train_time_s"] / 60 for r in rows] if args.time == "wall"
+                   else cpu_minutes(run))
         losses = [r["val_loss"] for r in rows]
         kw = dict(color=color_of[scheme_of(run["args"])], linestyle=style_of[id(run)],
                   linewidth=1.6, marker="o" if len(rows) <= 12 else None, markersize=3)
@@ -105,13 +127,16 @@ def main(argv=None) -> int:
                  for run in runs)
         pad = 0.05 * max(hi - lo, 1e-3)
         lo, hi = lo - pad, hi + pad
-    for ax, xlabel in ((ax_step, "step"), (ax_time, "training time (min, evaluation excluded)")):
+    time_label = {"wall": "training time (min, evaluation excluded)",
+                  "cpu": "training CPU time (min, all threads, evaluation excluded)"}
+    for ax, xlabel in ((ax_step, "step"), (ax_time, time_label[args.time])):
         ax.set_xlabel(xlabel)
         ax.set_ylabel("validation loss (nats/byte)")
         ax.set_ylim(lo, hi)
         ax.grid(True, alpha=0.3)
     ax_step.set_title("per step")
-    ax_time.set_title("per second of training")
+    ax_time.set_title("per second of training" if args.time == "wall"
+                      else "per CPU-second of training")
     ax_step.legend(fontsize=8, loc="upper right")
 
     if args.title:

@@ -139,6 +139,7 @@ def test_resume_is_bit_identical(runs, tmp_path):
 
 def test_plot_writes_png(runs, tmp_path):
     pytest.importorskip("matplotlib")
-    png = tmp_path / "curves.png"
-    run(PLOT, *(str(runs[s]) for s in SCHEMES), "--out", str(png))
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for time_axis in ("wall", "cpu"):
+        png = tmp_path / f"curves-{time_axis}.png"
+        run(PLOT, *(str(runs[s]) for s in SCHEMES), "--time", time_axis, "--out", str(png))
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
