@@ -46,6 +46,7 @@
 // pool, stream-ordered: a call never synchronises the host and can be captured
 // into a CUDA graph.
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -241,6 +242,10 @@ struct Phase1Args {
   bool accumulate;
   bool any_grad_block;
 };
+
+// The pointer tables travel by value: stay within the classic 4 KiB of kernel
+// parameters.
+static_assert(sizeof(Phase1Args) <= 4096, "Phase1Args exceeds 4 KiB of kernel parameters");
 
 // Elements of Acc one phase-1 CTA of `warps` warps keeps per token: the warps'
 // partial dot products [W, N, K] (slot 0 receives the totals), r [N], z and a
@@ -844,6 +849,12 @@ attnres_status ReducePartials(const Call& call, const void* u_rows, const void* 
   const auto launch = [&](const void* partials, int64_t width, const void* scale_by,
                           const void* times, void* grad_scaled, void* grad_times) {
     const int64_t grid = (width + plan::kReduceColumns - 1) / plan::kReduceColumns;
+    if (grid > INT_MAX) {
+      return Fail(ATTNRES_ERROR_INVALID_ARGUMENT,
+                  "attnres CUDA backend: the weight gradients need num_queries * dim <= " +
+                      std::to_string(int64_t{INT_MAX} * plan::kReduceColumns) + ", got " +
+                      std::to_string(width));
+    }
     ReduceRowsKernel<T><<<static_cast<unsigned>(grid), block, 0, call.stream>>>(
         static_cast<const Acc*>(partials), rows, width, scale_by, times, grad_scaled, grad_times);
     return CheckLaunch("ReduceRowsKernel");
@@ -871,6 +882,11 @@ attnres_status PrepareWeights(const Call& call, int64_t padded, Scratch* storage
   if (attnres_status s = storage->Allocate(total * sizeof(Acc), "the query rows w * gamma");
       s != ATTNRES_OK) {
     return s;
+  }
+  // The kernels read these rows with 16-byte loads (Io::LoadWeights).
+  if (reinterpret_cast<uintptr_t>(storage->get<void>()) % 16 != 0) {
+    return Fail(ATTNRES_ERROR_INTERNAL,
+                "attnres CUDA backend: scratch memory from the pool is not 16-byte aligned");
   }
   const int64_t grid = std::clamp<int64_t>((total + 255) / 256, 1, 4096);
   PrepareWeightsKernel<T><<<static_cast<unsigned>(grid), 256, 0, call.stream>>>(
