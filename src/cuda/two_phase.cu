@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(kPhase1MaxThreads)
   Acc* z = r + N;                      // [S, N]
   Acc* a = z + S * N;                  // [S, N]
   Acc* dz = a + S * N;                 // backward [S, N]: dot(g_s, v_i), dz, then c_{s,i}
-  Acc* bz = dz + S * N;                // backward [S, N]: dz_{s,i} * dz/dr-term (KeyChain b)
+  Acc* bz = dz + S * N;                // backward [S, N]: dz_{s,i} * KeyChain b, summed into b_i
   Acc* b = bz + S * N;                 // backward [N]
 
   for (int64_t item = blockIdx.x; item < args.num_items; item += gridDim.x) {
