@@ -167,26 +167,11 @@ _any_requires_grad = torch._C._any_requires_grad
 _isfinite = math.isfinite
 
 
-def plain_inputs(blocks: object, partial: object, w: object, gamma: object, scale: float,
-                 eps: float, grad: bool) -> Optional[tuple]:
-    """The inputs of a native front end (what inputs() accepts) that the fast path
-    takes, checked in one pass: a list or tuple of plain tensors (torch.Tensor or
-    nn.Parameter, no subclass) plus the partial block, all of one supported dtype,
-    strided, of one shape, on the CPU or one CUDA device; w and gamma (or None)
-    plain, [D], alike; scale finite, eps finite and >= 0. `grad`: whether grad mode
-    is on (requires_grad is only looked at then).
-
-    Returns ``(sources, pointers, contiguous, requires_grad, shape, dtype)``: the
-    sources ``[*blocks, partial]``, their data_ptr()s, whether every source, w and
-    gamma is contiguous, whether any input requires grad (False without `grad`), the
-    sources' shape and dtype -- a plain tuple, cheaper to build than a NamedTuple.
-    Returns None for anything else -- the caller then runs inputs(), which names what
-    is wrong, or takes the custom ops for what is right but unusual."""
-    if blocks.__class__ not in _LISTS:
-        return None
-    sources = [*blocks, partial] if partial is not None else blocks
-    if not sources or not (_isfinite(scale) and _isfinite(eps) and eps >= 0):
-        return None
+def _plain_rows(sources: Sequence) -> Optional[tuple]:
+    """The one pass of the fast path over its row tensors (non-empty): plain
+    (torch.Tensor or nn.Parameter), strided, of one supported dtype and shape, on the
+    CPU or one CUDA device. Returns ``(pointers, contiguous, shape, dtype, on_cpu,
+    device)`` (device None on the CPU) or None."""
     first = sources[0]
     if first.__class__ not in _PLAIN or first.layout is not _STRIDED:
         return None
@@ -207,7 +192,7 @@ def plain_inputs(blocks: object, partial: object, w: object, gamma: object, scal
         next(rest)
         # The same tests as for first, written out: this loop is the cost. The layout
         # is not looked at: data_ptr() raises for every tensor without a strided
-        # storage (sparse, mkldnn), which leaves the fast path below.
+        # storage (sparse, mkldnn), which leaves the fast path.
         for t in rest:
             if (t.__class__ not in _PLAIN or t.dtype is not dtype
                     or not (t.is_cpu if on_cpu else t.device == device) or t.shape != shape):
@@ -215,8 +200,35 @@ def plain_inputs(blocks: object, partial: object, w: object, gamma: object, scal
             if contiguous and not t.is_contiguous():
                 contiguous = False
             pointers.append(t.data_ptr())
-    except RuntimeError:  # no storage, or no shape (a nested tensor): inputs() says what
+    except RuntimeError:  # no storage, or no shape (a nested tensor): the checks say what
         return None
+    return pointers, contiguous, shape, dtype, on_cpu, device
+
+
+def plain_inputs(blocks: object, partial: object, w: object, gamma: object, scale: float,
+                 eps: float, grad: bool) -> Optional[tuple]:
+    """The inputs of a native front end (what inputs() accepts) that the fast path
+    takes, checked in one pass: a list or tuple of plain tensors (torch.Tensor or
+    nn.Parameter, no subclass) plus the partial block, all of one supported dtype,
+    strided, of one shape, on the CPU or one CUDA device; w and gamma (or None)
+    plain, [D], alike; scale finite, eps finite and >= 0. `grad`: whether grad mode
+    is on (requires_grad is only looked at then).
+
+    Returns ``(sources, pointers, contiguous, requires_grad, shape, dtype)``: the
+    sources ``[*blocks, partial]``, their data_ptr()s, whether every source, w and
+    gamma is contiguous, whether any input requires grad (False without `grad`), the
+    sources' shape and dtype -- a plain tuple, cheaper to build than a NamedTuple.
+    Returns None for anything else -- the caller then runs inputs(), which names what
+    is wrong, or takes the custom ops for what is right but unusual."""
+    if blocks.__class__ not in _LISTS:
+        return None
+    sources = [*blocks, partial] if partial is not None else blocks
+    if not sources or not (_isfinite(scale) and _isfinite(eps) and eps >= 0):
+        return None
+    scan = _plain_rows(sources)
+    if scan is None:
+        return None
+    pointers, contiguous, shape, dtype, on_cpu, device = scan
     vector = (shape[-1],)
     for t in (w, gamma) if gamma is not None else (w,):
         if (t.__class__ not in _PLAIN or t.dtype is not dtype or t.layout is not _STRIDED
@@ -237,30 +249,10 @@ def plain_phase1(blocks: object, w: object, gamma: object, eps: float, scale: fl
     if blocks.__class__ not in _LISTS or not blocks or not (
             _isfinite(scale) and _isfinite(eps) and eps >= 0):
         return None
-    first = blocks[0]
-    if first.__class__ not in _PLAIN or first.layout is not _STRIDED:
+    scan = _plain_rows(blocks)
+    if scan is None:
         return None
-    dtype, shape = first.dtype, first.shape
-    if dtype not in _SUPPORTED or not shape:
-        return None
-    on_cpu = first.is_cpu
-    if on_cpu:
-        device = None
-    elif first.is_cuda:
-        device = first.device
-    else:
-        return None
-    contiguous = first.is_contiguous()
-    pointers = [first.data_ptr()]
-    rest = iter(blocks)
-    next(rest)
-    for t in rest:
-        if (t.__class__ not in _PLAIN or t.dtype is not dtype or t.layout is not _STRIDED
-                or not (t.is_cpu if on_cpu else t.device == device) or t.shape != shape):
-            return None
-        if contiguous and not t.is_contiguous():
-            contiguous = False
-        pointers.append(t.data_ptr())
+    pointers, contiguous, shape, dtype, on_cpu, device = scan
     if w.__class__ not in _PLAIN:
         return None
     queries = w.shape
