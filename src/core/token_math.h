@@ -21,49 +21,20 @@ namespace attnres::math {
 namespace {  // NOLINT(build/namespaces): see above
 
 // Through builtins, not <cmath>'s inline std:: overloads, which the linker could
-// share between CPU variants.
-ATTNRES_HD float Exp(float x) {
+// share between CPU variants; the CUDA math functions in device code.
+#define ATTNRES_MATH_FN(name, float_fn, double_fn) \
+  ATTNRES_HD float name(float x) { return float_fn(x); } \
+  ATTNRES_HD double name(double x) { return double_fn(x); }
 #if defined(__CUDA_ARCH__)
-  return expf(x);
+ATTNRES_MATH_FN(Exp, expf, exp)
+ATTNRES_MATH_FN(Log, logf, log)
+ATTNRES_MATH_FN(Sqrt, sqrtf, sqrt)
 #else
-  return __builtin_expf(x);
+ATTNRES_MATH_FN(Exp, __builtin_expf, __builtin_exp)
+ATTNRES_MATH_FN(Log, __builtin_logf, __builtin_log)
+ATTNRES_MATH_FN(Sqrt, __builtin_sqrtf, __builtin_sqrt)
 #endif
-}
-ATTNRES_HD double Exp(double x) {
-#if defined(__CUDA_ARCH__)
-  return exp(x);
-#else
-  return __builtin_exp(x);
-#endif
-}
-ATTNRES_HD float Log(float x) {
-#if defined(__CUDA_ARCH__)
-  return logf(x);
-#else
-  return __builtin_logf(x);
-#endif
-}
-ATTNRES_HD double Log(double x) {
-#if defined(__CUDA_ARCH__)
-  return log(x);
-#else
-  return __builtin_log(x);
-#endif
-}
-ATTNRES_HD float Sqrt(float x) {
-#if defined(__CUDA_ARCH__)
-  return sqrtf(x);
-#else
-  return __builtin_sqrtf(x);
-#endif
-}
-ATTNRES_HD double Sqrt(double x) {
-#if defined(__CUDA_ARCH__)
-  return sqrt(x);
-#else
-  return __builtin_sqrt(x);
-#endif
-}
+#undef ATTNRES_MATH_FN
 
 // r = sqrt(mean(v^2) + eps) from sum(v^2) over dim elements.
 template <typename A>
