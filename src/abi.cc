@@ -17,17 +17,33 @@ namespace {
 
 thread_local std::string g_last_error;
 
+// An argument's name for messages, "blocks" or "blocks[3]": composed only when a
+// message is written, so that a call that passes costs no string building.
+struct Name {
+  Name(const char* base, int64_t index = -1) : base(base), index(index) {}  // NOLINT: implicit
+  const char* base;
+  int64_t index;  // -1: not an array element
+};
+
+std::ostream& operator<<(std::ostream& os, const Name& name) {
+  os << name.base;
+  if (name.index >= 0) os << '[' << name.index << ']';
+  return os;
+}
+
 // The byte range [begin, end) a buffer spans, with its name for messages.
 struct Span {
   uintptr_t begin, end;
-  std::string name;
+  Name name;
   bool is_output;
 };
 
 // Checks arguments in order and keeps the first failure.
 class Validator {
  public:
-  explicit Validator(const char* function) : function_(function) {}
+  explicit Validator(const char* function) : function_(function) {
+    spans_.reserve(16);  // one allocation for the usual number of buffers
+  }
 
   bool ok() const { return status_ == ATTNRES_OK; }
 
@@ -46,11 +62,11 @@ class Validator {
     message_ = os.str();
   }
 
-  void NotNull(const void* p, const std::string& name) {
+  void NotNull(const void* p, Name name) {
     Check(p != nullptr, ATTNRES_ERROR_NULL_POINTER, name, " must not be NULL");
   }
 
-  void Aligned(const void* p, int64_t alignment, const std::string& name) {
+  void Aligned(const void* p, int64_t alignment, Name name) {
     Check(reinterpret_cast<uintptr_t>(p) % alignment == 0, ATTNRES_ERROR_INVALID_ARGUMENT, name,
           " must be aligned to ", alignment, " bytes (its element size), got address ", p);
   }
@@ -62,7 +78,7 @@ class Validator {
 
   // Records the span of a [rows, stride] buffer whose rows hold `cols` elements.
   void AddRows(const void* p, int64_t rows, int64_t stride, int64_t cols, int64_t elem,
-               const std::string& name, bool is_output) {
+               Name name, bool is_output) {
     if (!ok() || p == nullptr || rows == 0) return;
     Aligned(p, elem, name);
     int64_t elems = 0, bytes = 0;
@@ -149,14 +165,14 @@ void CheckBlocks(Validator& v, const attnres_params* p) {
   v.RowStride(p->source_row_stride, p->dim, "source_row_stride");
   if (p->num_blocks > 0) v.NotNull(p->blocks, "blocks");
   for (int64_t i = 0; v.ok() && i < p->num_blocks; ++i) {
-    v.NotNull(p->blocks[i], "blocks[" + std::to_string(i) + "]");
+    v.NotNull(p->blocks[i], Name("blocks", i));
   }
 }
 
 void AddBlockSpans(Validator& v, const attnres_params* p) {
   for (int64_t i = 0; v.ok() && i < p->num_blocks; ++i) {
     v.AddRows(p->blocks[i], p->num_tokens, p->source_row_stride, p->dim, ElementBytes(p->dtype),
-              "blocks[" + std::to_string(i) + "]", false);
+              Name("blocks", i), false);
   }
 }
 
@@ -220,7 +236,7 @@ attnres_status ValidateBackward(const attnres_params* p) {
   AddCaches(v, p, /*are_outputs=*/false);
   for (int64_t i = 0; p->grad_blocks != nullptr && i < p->num_blocks; ++i) {
     v.AddRows(p->grad_blocks[i], rows, p->grad_source_row_stride, dim, elem,
-              "grad_blocks[" + std::to_string(i) + "]", true);
+              Name("grad_blocks", i), true);
   }
   v.AddRows(p->grad_partial, rows, p->grad_source_row_stride, dim, elem, "grad_partial", true);
   v.AddRows(p->grad_proj_weight, 1, dim, dim, elem, "grad_proj_weight", true);
@@ -232,12 +248,11 @@ attnres_status ValidateBackward(const attnres_params* p) {
 // ---- The two-phase ops ----
 
 // A [num_tokens] column of the accumulation type (LSEs and their gradients).
-void AddColumn(Validator& v, const attnres_params* p, const void* column, const std::string& name,
+void AddColumn(Validator& v, const attnres_params* p, const void* column, Name name,
                bool is_output) {
   v.AddRows(column, p->num_tokens, 1, 1, AccumBytes(p->dtype), name, is_output);
 }
 
-std::string Indexed(const char* name, int64_t i) { return std::string(name) + "[" + std::to_string(i) + "]"; }
 
 // Phase 1: N >= 1 blocks, no partial block, S queries.
 void ValidatePhase1Inputs(Validator& v, const attnres_params* p) {
@@ -266,13 +281,13 @@ attnres_status ValidatePhase1Forward(const attnres_params* p) {
   v.NotNull(p->query_lses, "query_lses");
   v.RowStride(p->out_row_stride, p->dim, "out_row_stride");
   for (int64_t s = 0; v.ok() && s < p->num_queries; ++s) {
-    v.NotNull(p->query_outs[s], Indexed("query_outs", s));
-    v.NotNull(p->query_lses[s], Indexed("query_lses", s));
+    v.NotNull(p->query_outs[s], Name("query_outs", s));
+    v.NotNull(p->query_lses[s], Name("query_lses", s));
   }
   for (int64_t s = 0; v.ok() && s < p->num_queries; ++s) {
     v.AddRows(p->query_outs[s], p->num_tokens, p->out_row_stride, p->dim, ElementBytes(p->dtype),
-              Indexed("query_outs", s), true);
-    AddColumn(v, p, p->query_lses[s], Indexed("query_lses", s), true);
+              Name("query_outs", s), true);
+    AddColumn(v, p, p->query_lses[s], Name("query_lses", s), true);
   }
   v.NoOverlap();
   return v.Finish();
@@ -298,14 +313,14 @@ attnres_status ValidatePhase1Backward(const attnres_params* p) {
   if (any_source_grad) v.RowStride(p->grad_source_row_stride, dim, "grad_source_row_stride");
   for (int64_t s = 0; s < p->num_queries; ++s) {
     v.AddRows(p->grad_query_outs[s], rows, p->grad_out_row_stride, dim, elem,
-              Indexed("grad_query_outs", s), false);
+              Name("grad_query_outs", s), false);
     if (p->grad_query_lses != nullptr) {
-      AddColumn(v, p, p->grad_query_lses[s], Indexed("grad_query_lses", s), false);
+      AddColumn(v, p, p->grad_query_lses[s], Name("grad_query_lses", s), false);
     }
   }
   for (int64_t i = 0; p->grad_blocks != nullptr && i < p->num_blocks; ++i) {
     v.AddRows(p->grad_blocks[i], rows, p->grad_source_row_stride, dim, elem,
-              Indexed("grad_blocks", i), true);
+              Name("grad_blocks", i), true);
   }
   v.AddRows(p->grad_proj_weight, p->num_queries, dim, dim, elem, "grad_proj_weight", true);
   v.AddRows(p->grad_gamma, p->num_queries, dim, dim, elem, "grad_gamma", true);
