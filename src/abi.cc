@@ -438,6 +438,8 @@ const char* attnres_version(void) {
 
 const char* attnres_cpu_isa(void) { return attnres::CpuIsaName(); }
 
+const char* attnres_cpu_isas(void) { return attnres::cpu::RunnableIsaNames(); }
+
 attnres_status attnres_set_cpu_isa(const char* name) {
   if (attnres::cpu::SetIsa(name)) return ATTNRES_OK;
   return attnres::Fail(ATTNRES_ERROR_INVALID_ARGUMENT,

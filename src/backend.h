@@ -38,6 +38,7 @@ int GetNumThreads();
 void SetNumThreads(int n);  // n <= 0: the default
 bool SetIsa(const char* name);  // nullptr: the best for this CPU
 std::string CompiledIsaNames();
+const char* RunnableIsaNames();  // attnres_cpu_isas()
 }  // namespace cpu
 
 // Implemented in src/cuda/ when built with ATTNRES_CUDA; src/abi.cc reports

@@ -29,7 +29,9 @@ void Usage() {
                "  attnres run --tokens N --dim D --blocks N [--partial] [--dtype bf16|f16|f32|f64]\n"
                "              [--no-rmsnorm] [--scale X] [--eps X] [--threads N] [--repeat N]\n"
                "              [--no-check]\n"
-               "  attnres bench [--json] [--quick | --headline] [--no-baseline] [--threads N] [--repeat N]\n");
+               "  attnres bench [--json] [--quick | --headline] [--no-baseline] [--threads N] [--repeat N]\n"
+               "  attnres isas      (the CPU kernel variants this CPU runs, best first)\n"
+               "  attnres --version\n");
 }
 
 // Flag parsing: "--name value" and "--flag".
@@ -238,6 +240,10 @@ int main(int argc, char** argv) {
   }
   if (command == "--version" || command == "version") {
     std::printf("attnres %s (cpu isa %s)\n", attnres_version(), attnres_cpu_isa());
+    return 0;
+  }
+  if (command == "isas") {
+    std::printf("%s\n", attnres_cpu_isas());
     return 0;
   }
   Usage();

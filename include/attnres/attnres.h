@@ -165,6 +165,9 @@ ATTNRES_API const char* attnres_version(void);
  * thread is inside attnres_forward/backward. */
 ATTNRES_API const char* attnres_cpu_isa(void);
 ATTNRES_API attnres_status attnres_set_cpu_isa(const char* name);
+/* The variants this build compiled in and this CPU runs, best first, separated by
+ * single spaces (e.g. "avx2 baseline"): the names attnres_set_cpu_isa() accepts. */
+ATTNRES_API const char* attnres_cpu_isas(void);
 
 /* Defaults: abi_version, scale = 1, eps = 1e-6, rmsnorm = 1, CPU, num_queries = 1,
  * norm_eps = 1e-6, everything else 0. */

@@ -8,11 +8,11 @@ attnres::block_attn_res in attnres.ops, torch.compile-ready) and the module
 attnres.nn.BlockAttnRes.
 The report's two-phase schedule: block_attn_res_phase1, block_attn_res_phase2
 (attnres.two_phase) and the residual stream attnres.nn.BlockAttnResStream.
-Runtime controls: set_num_threads, get_num_threads, cpu_isa, set_cpu_isa,
+Runtime controls: set_num_threads, get_num_threads, cpu_isa, cpu_isas, set_cpu_isa,
 cuda_available.
 """
 
-from ._native import (__version__, cpu_isa, cuda_available, get_num_threads, set_cpu_isa,
+from ._native import (__version__, cpu_isa, cpu_isas, cuda_available, get_num_threads, set_cpu_isa,
                       set_num_threads)
 from .compat import (ai_infra_block_attn_res, ai_infra_block_attn_res_backward,
                      block_attn_res, block_attn_res_backward)
@@ -31,6 +31,7 @@ __all__ = [
     "block_attn_res_phase2",
     "compat",
     "cpu_isa",
+    "cpu_isas",
     "cuda_available",
     "get_num_threads",
     "nn",

@@ -200,7 +200,7 @@ for _name in ("attnres_forward", "attnres_backward", "attnres_phase1_forward",
     getattr(_lib, _name).argtypes = [ctypes.c_void_p]  # the address of the packed params
     getattr(_lib, _name).restype = ctypes.c_int
 _lib.attnres_params_init.argtypes = [ctypes.c_void_p]
-for _name in ("attnres_version", "attnres_last_error", "attnres_cpu_isa"):
+for _name in ("attnres_version", "attnres_last_error", "attnres_cpu_isa", "attnres_cpu_isas"):
     getattr(_lib, _name).restype = ctypes.c_char_p
 _lib.attnres_set_num_threads.argtypes = [ctypes.c_int]
 _lib.attnres_get_num_threads.restype = ctypes.c_int
@@ -286,8 +286,14 @@ def cpu_isa() -> str:
     return _lib.attnres_cpu_isa().decode()
 
 
+def cpu_isas() -> List[str]:
+    """The CPU kernel variants this build compiled in and this CPU runs, best first:
+    the names set_cpu_isa() accepts."""
+    return _lib.attnres_cpu_isas().decode().split()
+
+
 def set_cpu_isa(name: Optional[str]) -> None:
-    """Force a CPU kernel variant (None: the best this CPU runs)."""
+    """Force a CPU kernel variant, one of cpu_isas() (None: the best this CPU runs)."""
     _check(_lib.attnres_set_cpu_isa(None if name is None else name.encode()))
 
 

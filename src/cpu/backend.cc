@@ -96,15 +96,6 @@ bool CpuHas(const char* isa) {
   return std::strcmp(isa, "baseline") == 0;
 }
 
-// Compiled-in variants, best first.
-std::vector<const KernelTable*> CompiledTables() {
-  std::vector<const KernelTable*> tables;
-  for (const KernelTable* t : {Avx512Bf16Kernels(), Avx512Kernels(), Avx2Kernels(), BaselineKernels()}) {
-    if (t != nullptr) tables.push_back(t);
-  }
-  return tables;
-}
-
 const KernelTable* FindTable(const char* name) {
   for (const KernelTable* t : CompiledTables()) {
     if (std::strcmp(t->name, name) == 0 && CpuHas(t->name)) return t;
@@ -119,7 +110,7 @@ const KernelTable* BestTable() {
   for (const KernelTable* t : CompiledTables()) {
     if (CpuHas(t->name)) return t;
   }
-  return BaselineKernels();
+  return CompiledTables().back();  // the baseline
 }
 
 std::atomic<const KernelTable*> g_table{nullptr};
@@ -364,6 +355,17 @@ std::string CompiledIsaNames() {
   std::string names;
   for (const KernelTable* t : CompiledTables()) names += (names.empty() ? "" : ", ") + std::string(t->name);
   return names;
+}
+
+const char* RunnableIsaNames() {
+  static const std::string names = [] {
+    std::string list;
+    for (const KernelTable* t : CompiledTables()) {
+      if (CpuHas(t->name)) list += (list.empty() ? "" : " ") + std::string(t->name);
+    }
+    return list;
+  }();
+  return names.c_str();
 }
 
 }  // namespace cpu

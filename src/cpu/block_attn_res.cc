@@ -428,8 +428,6 @@ const KernelTable kTable = {
 
 }  // namespace
 
-#define ATTNRES_TABLE_GETTER_(isa) isa##Kernels
-#define ATTNRES_TABLE_GETTER(isa) ATTNRES_TABLE_GETTER_(isa)
-const KernelTable* ATTNRES_TABLE_GETTER(ATTNRES_ISA_GETTER)() { return &kTable; }
+const KernelTable* ATTNRES_ISA::Kernels() { return &kTable; }
 
 }  // namespace attnres::cpu

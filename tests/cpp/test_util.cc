@@ -506,10 +506,8 @@ Tolerance ToleranceFor(attnres_dtype dtype) {
 
 std::vector<std::string> AvailableIsas() {
   std::vector<std::string> isas;
-  for (const char* name : kIsaNames) {
-    if (attnres_set_cpu_isa(name) == ATTNRES_OK) isas.push_back(name);
-  }
-  attnres_set_cpu_isa(nullptr);
+  std::istringstream names(attnres_cpu_isas());
+  for (std::string name; names >> name;) isas.push_back(name);
   return isas;
 }
 

@@ -206,10 +206,8 @@ Tolerance ToleranceFor(attnres_dtype dtype);
 // ---------------------------------------------------------------------------
 // CPU ISAs.
 
-// The names attnres_set_cpu_isa accepts on this machine, best first.
-// Every kernel variant name the library knows, best first.
-inline constexpr const char* kIsaNames[] = {"avx512bf16", "avx512", "avx2", "baseline"};
-
+// The names attnres_set_cpu_isa accepts on this machine, best first
+// (attnres_cpu_isas() split at its spaces).
 std::vector<std::string> AvailableIsas();
 // Runs `body` once per available ISA, with that ISA forced and a SCOPED_TRACE
 // naming it; restores the automatic choice afterwards.

@@ -4,6 +4,7 @@ one validator with one message style, "<function>: <argument> must be <expected>
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -157,3 +158,20 @@ def test_scalars_that_are_not_numbers_are_refused_before_the_library(bad):
     for call in calls:
         with pytest.raises((ValueError, TypeError)):
             call()
+
+
+def test_cpu_isas_lists_what_set_cpu_isa_accepts_best_first():
+    isas = attnres.cpu_isas()
+    assert isas and isas[-1] == "baseline", isas
+    automatic = attnres.cpu_isa()
+    try:
+        for name in isas:
+            attnres.set_cpu_isa(name)
+            assert attnres.cpu_isa() == name
+        with pytest.raises(ValueError, match="no-such-isa"):
+            attnres.set_cpu_isa("no-such-isa")
+    finally:
+        attnres.set_cpu_isa(None)
+    assert attnres.cpu_isa() == automatic
+    if "ATTNRES_CPU_ISA" not in os.environ:
+        assert automatic == isas[0]
