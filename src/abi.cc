@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "attnres/attnres.h"
-#include "backend.h"
+#include "backends.h"
 
 namespace attnres {
 namespace {

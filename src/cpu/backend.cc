@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "backend.h"
+#include "backends.h"
 #include "cpu/kernel_table.h"
 #include "cpu/scalar_types.h"
 

@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "backend.h"
+#include "backends.h"
 #include "cuda/block_attn_res_fused.cuh"
 #include "cuda/block_attn_res_generic.cuh"
 #include "cuda/common.cuh"

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "backend.h"
+#include "backends.h"
 
 #ifndef ATTNRES_CUDA_ARCHS
 #define ATTNRES_CUDA_ARCHS "unknown"

@@ -52,7 +52,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "backend.h"
+#include "backends.h"
 #include "core/token_math.h"
 #include "cuda/common.cuh"
 #include "cuda/plan.h"

@@ -1,7 +1,7 @@
 // The internal boundary between the C ABI (src/abi.cc, which validates) and the
 // backends (src/cpu/, src/cuda/), which trust the params they are given.
-#ifndef ATTNRES_SRC_BACKEND_H_
-#define ATTNRES_SRC_BACKEND_H_
+#ifndef ATTNRES_SRC_BACKENDS_H_
+#define ATTNRES_SRC_BACKENDS_H_
 
 #include <string>
 
@@ -50,4 +50,4 @@ attnres_status CudaTwoPhase(const attnres_params& p, int phase, bool backward);
 
 }  // namespace attnres
 
-#endif  // ATTNRES_SRC_BACKEND_H_
+#endif  // ATTNRES_SRC_BACKENDS_H_
