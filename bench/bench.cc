@@ -423,103 +423,83 @@ double PairedRatio(const std::function<double()>& slow, const std::function<doub
   return Median(ratios);
 }
 
-}  // namespace
-
-int Main(const Options& options) {
-  if (options.threads > 0) attnres_set_num_threads(options.threads);
-  const int threads = attnres_get_num_threads();
-  const int repeat = std::max(1, options.repeat);
-  const bool json = options.json;
-  Streams streams;
-  streams.ChooseStrongest(threads);
-  auto read_gbs = [&] { return streams.ReadGbs(threads); };
-  auto copy_gbs = [&] { return streams.CopyGbs(threads); };
-
-  std::vector<int64_t> dims = {512, 1536, 4096}, sources = {4, 9, 17, 33, 128},
-                       token_counts = {4096, 65536};
+// The shapes a run covers.
+struct Grid {
   std::vector<attnres_dtype> dtypes = {ATTNRES_DTYPE_BFLOAT16, ATTNRES_DTYPE_FLOAT32};
+  std::vector<int64_t> token_counts = {4096, 65536}, dims = {512, 1536, 4096},
+                       sources = {4, 9, 17, 33, 128};
+};
+
+Grid GridFor(const Options& options) {
+  Grid grid;
   if (options.quick || options.headline) {
-    dims = {1536};
-    sources = {4, 17, 33};
-    token_counts = {65536};
+    grid.dims = {1536};
+    grid.sources = {4, 17, 33};
+    grid.token_counts = {65536};
   }
   if (options.headline) {
-    sources = {17};
-    dtypes = {ATTNRES_DTYPE_BFLOAT16};
+    grid.sources = {17};
+    grid.dtypes = {ATTNRES_DTYPE_BFLOAT16};
   }
-  // Largest problem run (sources + gradients) and largest extra memory of the
-  // seed-structure baseline (a stacked copy and a stacked gradient): the machines
-  // here have 24 GiB, and SPEC §4's largest shape is 68 GB of bf16 sources alone.
-  const double kMaxBytes = 14e9, kMaxSeedBytes = 7e9;
+  return grid;
+}
 
-  std::vector<Row> rows;
-  if (!json) {
-    std::printf("attnres bench: isa %s, %d threads, median of %d; frac = GB/s over the stream "
-                "(read for fwd, copy for bwd) timed just before each run; the strongest "
-                "streams here: read %s, copy %s\n",
-                attnres_cpu_isa(), threads, repeat, streams.ReadName(), streams.CopyName());
-    std::printf("%-5s %5s %4s %6s | %9s %7s %7s %5s %8s | %9s %7s %7s %5s %8s\n", "dtype", "D",
-                "L", "tokens", "fwd ms", "GB/s", "read", "frac", "vs seed", "bwd ms", "GB/s",
-                "copy", "frac", "vs seed");
-  }
-  for (attnres_dtype dtype : dtypes) {
-    for (int64_t tokens : token_counts) {
-      for (int64_t dim : dims) {
-        for (int64_t L : sources) {
-          Row row;
-          row.spec.dtype = dtype;
-          row.spec.tokens = tokens;
-          row.spec.dim = dim;
-          row.spec.num_blocks = L - 1;
-          row.spec.partial = true;
-          const double elem = double(harness::ElementBytes(dtype));
-          const double source_bytes = double(tokens) * dim * L * elem;
-          if (2 * source_bytes > kMaxBytes) {
-            if (!json) {
-              std::printf("%-5s %5lld %4lld %6lld | skipped: %.1f GB of sources and gradients "
-                          "exceed the %.0f GB budget\n",
-                          harness::DtypeName(dtype), (long long)dim, (long long)L,
-                          (long long)tokens, 2 * source_bytes / 1e9, kMaxBytes / 1e9);
-            }
-            continue;
-          }
-          Case one(row.spec);
-          attnres_params fwd = one.ForwardParams(), bwd = one.BackwardParams();
-          fwd.rms_cache = fwd.alpha_cache = bwd.rms_cache = bwd.alpha_cache = nullptr;
-          row.fwd_bytes = double(tokens) * dim * (L + 1) * elem;
-          row.bwd_bytes = double(tokens) * dim * (2 * L + 1) * elem;
-          row.fwd = TimePaired([&] { attnres_forward(&fwd); }, row.fwd_bytes, read_gbs, repeat);
-          row.bwd = TimePaired([&] { attnres_backward(&bwd); }, row.bwd_bytes, copy_gbs, repeat);
-          if (options.baseline && 2 * source_bytes <= kMaxSeedBytes) {
-            // The baseline allocates its own buffers on every call, as the seed does,
-            // and takes seconds: one cold run each is what a caller sees.
-            row.seed_fwd_ms = TimeMs([&] { RunSeedStructure(fwd, false, threads); });
-            row.seed_bwd_ms = TimeMs([&] { RunSeedStructure(bwd, true, threads); });
-          }
-          rows.push_back(row);
-          if (!json) {
-            char fs[32] = "   -", bs[32] = "   -";
-            if (row.seed_fwd_ms > 0) {
-              std::snprintf(fs, sizeof(fs), "%7.2fx", row.seed_fwd_ms / row.fwd.ms);
-              std::snprintf(bs, sizeof(bs), "%7.2fx", row.seed_bwd_ms / row.bwd.ms);
-            }
-            std::printf("%-5s %5lld %4lld %6lld | %9.3f %7.1f %7.1f %5.2f %8s | %9.3f %7.1f %7.1f "
-                        "%5.2f %8s\n",
-                        harness::DtypeName(dtype), (long long)dim, (long long)L, (long long)tokens,
-                        row.fwd.ms, row.fwd_bytes / row.fwd.ms / 1e6, row.fwd.stream_gbs,
-                        row.fwd.fraction, fs, row.bwd.ms, row.bwd_bytes / row.bwd.ms / 1e6,
-                        row.bwd.stream_gbs, row.bwd.fraction, bs);
-            std::fflush(stdout);
-          }
-        }
-      }
-    }
-  }
+// Largest problem run (sources + gradients) and largest extra memory of the
+// seed-structure baseline (a stacked copy and a stacked gradient): the machines
+// here have 24 GiB, and docs/SPEC.md §4's largest shape is 68 GB of bf16 sources alone.
+constexpr double kMaxBytes = 14e9, kMaxSeedBytes = 7e9;
 
-  // Thread scaling on the headline shape: bf16, D=1536, 16 blocks + partial; 1
-  // thread and all threads alternate, and so do the streams, which bound what any
-  // memory-bound kernel can scale (one core of a small VM may already draw most
-  // of its bandwidth).
+// One shape: the op forward and backward against the streams, and the seed's
+// structure when it fits and is asked for.
+Row MeasureRow(const CaseSpec& spec, const Options& options, int threads, int repeat,
+               const std::function<double()>& read_gbs,
+               const std::function<double()>& copy_gbs) {
+  Row row;
+  row.spec = spec;
+  const double elem = double(harness::ElementBytes(spec.dtype)), L = double(spec.num_sources());
+  const double source_bytes = double(spec.tokens) * spec.dim * L * elem;
+  Case one(spec);
+  attnres_params fwd = one.ForwardParams(), bwd = one.BackwardParams();
+  fwd.rms_cache = fwd.alpha_cache = bwd.rms_cache = bwd.alpha_cache = nullptr;
+  row.fwd_bytes = double(spec.tokens) * spec.dim * (L + 1) * elem;
+  row.bwd_bytes = double(spec.tokens) * spec.dim * (2 * L + 1) * elem;
+  row.fwd = TimePaired([&] { attnres_forward(&fwd); }, row.fwd_bytes, read_gbs, repeat);
+  row.bwd = TimePaired([&] { attnres_backward(&bwd); }, row.bwd_bytes, copy_gbs, repeat);
+  if (options.baseline && 2 * source_bytes <= kMaxSeedBytes) {
+    // The baseline allocates its own buffers on every call, as the seed does, and
+    // takes seconds: one cold run each is what a caller sees.
+    row.seed_fwd_ms = TimeMs([&] { RunSeedStructure(fwd, false, threads); });
+    row.seed_bwd_ms = TimeMs([&] { RunSeedStructure(bwd, true, threads); });
+  }
+  return row;
+}
+
+void PrintRow(const Row& row) {
+  char fs[32] = "   -", bs[32] = "   -";
+  if (row.seed_fwd_ms > 0) {
+    std::snprintf(fs, sizeof(fs), "%7.2fx", row.seed_fwd_ms / row.fwd.ms);
+    std::snprintf(bs, sizeof(bs), "%7.2fx", row.seed_bwd_ms / row.bwd.ms);
+  }
+  std::printf("%-5s %5lld %4lld %6lld | %9.3f %7.1f %7.1f %5.2f %8s | %9.3f %7.1f %7.1f "
+              "%5.2f %8s\n",
+              harness::DtypeName(row.spec.dtype), (long long)row.spec.dim,
+              (long long)row.spec.num_sources(), (long long)row.spec.tokens, row.fwd.ms,
+              row.fwd_bytes / row.fwd.ms / 1e6, row.fwd.stream_gbs, row.fwd.fraction, fs,
+              row.bwd.ms, row.bwd_bytes / row.bwd.ms / 1e6, row.bwd.stream_gbs,
+              row.bwd.fraction, bs);
+  std::fflush(stdout);
+}
+
+// Thread scaling on the headline shape: bf16, D=1536, 16 blocks + partial; 1 thread
+// and all threads alternate, and so do the streams, which bound what any
+// memory-bound kernel can scale (one core of a small VM may already draw most of
+// its bandwidth).
+struct Scaling {
+  int64_t tokens;
+  double fwd, bwd, read, copy;
+};
+
+Scaling MeasureScaling(const Options& options, int threads, int repeat, Streams& streams) {
   CaseSpec headline;
   headline.dtype = ATTNRES_DTYPE_BFLOAT16;
   headline.tokens = options.quick || options.headline ? 16384 : 65536;
@@ -534,40 +514,99 @@ int Main(const Options& options) {
     attnres_set_num_threads(threads);
     return ms;
   };
-  const double fwd_scaling =
-      PairedRatio([&] { return timed_with(1, fwd, false); }, [&] { return timed_with(threads, fwd, false); }, repeat);
-  const double bwd_scaling =
-      PairedRatio([&] { return timed_with(1, bwd, true); }, [&] { return timed_with(threads, bwd, true); }, repeat);
-  const double read_scaling = PairedRatio([&] { return 1 / streams.ReadGbs(1); },
-                                          [&] { return 1 / streams.ReadGbs(threads); }, repeat);
-  const double copy_scaling = PairedRatio([&] { return 1 / streams.CopyGbs(1); },
-                                          [&] { return 1 / streams.CopyGbs(threads); }, repeat);
+  Scaling s{headline.tokens, 0, 0, 0, 0};
+  s.fwd = PairedRatio([&] { return timed_with(1, fwd, false); },
+                      [&] { return timed_with(threads, fwd, false); }, repeat);
+  s.bwd = PairedRatio([&] { return timed_with(1, bwd, true); },
+                      [&] { return timed_with(threads, bwd, true); }, repeat);
+  s.read = PairedRatio([&] { return 1 / streams.ReadGbs(1); },
+                       [&] { return 1 / streams.ReadGbs(threads); }, repeat);
+  s.copy = PairedRatio([&] { return 1 / streams.CopyGbs(1); },
+                       [&] { return 1 / streams.CopyGbs(threads); }, repeat);
+  return s;
+}
 
-  if (json) {
-    std::printf("{\"isa\": \"%s\", \"threads\": %d, \"repeat\": %d, \"read_reference\": \"%s\", "
-                "\"copy_reference\": \"%s\", \"rows\": [",
+void PrintJson(const std::vector<Row>& rows, const Scaling& scaling, int threads, int repeat,
+               const Streams& streams) {
+  std::printf("{\"isa\": \"%s\", \"threads\": %d, \"repeat\": %d, \"read_reference\": \"%s\", "
+              "\"copy_reference\": \"%s\", \"rows\": [",
+              attnres_cpu_isa(), threads, repeat, streams.ReadName(), streams.CopyName());
+  for (size_t k = 0; k < rows.size(); ++k) {
+    const Row& r = rows[k];
+    std::printf("%s\n  {\"dtype\": \"%s\", \"dim\": %lld, \"sources\": %lld, \"tokens\": %lld, "
+                "\"fwd_ms\": %.4f, \"fwd_bytes\": %.0f, \"fwd_gbs\": %.2f, \"read_gbs\": %.2f, "
+                "\"fwd_fraction\": %.3f, \"bwd_ms\": %.4f, \"bwd_bytes\": %.0f, "
+                "\"bwd_gbs\": %.2f, \"copy_gbs\": %.2f, \"bwd_fraction\": %.3f, "
+                "\"seed_fwd_ms\": %.4f, \"seed_bwd_ms\": %.4f}",
+                k ? "," : "", harness::DtypeName(r.spec.dtype), (long long)r.spec.dim,
+                (long long)r.spec.num_sources(), (long long)r.spec.tokens, r.fwd.ms, r.fwd_bytes,
+                r.fwd_bytes / r.fwd.ms / 1e6, r.fwd.stream_gbs, r.fwd.fraction, r.bwd.ms,
+                r.bwd_bytes, r.bwd_bytes / r.bwd.ms / 1e6, r.bwd.stream_gbs, r.bwd.fraction,
+                r.seed_fwd_ms, r.seed_bwd_ms);
+  }
+  std::printf("\n], \"scaling\": {\"tokens\": %lld, \"fwd\": %.3f, \"bwd\": %.3f, "
+              "\"read\": %.3f, \"copy\": %.3f}}\n",
+              (long long)scaling.tokens, scaling.fwd, scaling.bwd, scaling.read, scaling.copy);
+}
+
+}  // namespace
+
+int Main(const Options& options) {
+  if (options.threads > 0) attnres_set_num_threads(options.threads);
+  const int threads = attnres_get_num_threads();
+  const int repeat = std::max(1, options.repeat);
+  const bool json = options.json;
+  Streams streams;
+  streams.ChooseStrongest(threads);
+  const std::function<double()> read_gbs = [&] { return streams.ReadGbs(threads); };
+  const std::function<double()> copy_gbs = [&] { return streams.CopyGbs(threads); };
+
+  if (!json) {
+    std::printf("attnres bench: isa %s, %d threads, median of %d; frac = GB/s over the stream "
+                "(read for fwd, copy for bwd) timed just before each run; the strongest "
+                "streams here: read %s, copy %s\n",
                 attnres_cpu_isa(), threads, repeat, streams.ReadName(), streams.CopyName());
-    for (size_t k = 0; k < rows.size(); ++k) {
-      const Row& r = rows[k];
-      std::printf("%s\n  {\"dtype\": \"%s\", \"dim\": %lld, \"sources\": %lld, \"tokens\": %lld, "
-                  "\"fwd_ms\": %.4f, \"fwd_bytes\": %.0f, \"fwd_gbs\": %.2f, \"read_gbs\": %.2f, "
-                  "\"fwd_fraction\": %.3f, \"bwd_ms\": %.4f, \"bwd_bytes\": %.0f, "
-                  "\"bwd_gbs\": %.2f, \"copy_gbs\": %.2f, \"bwd_fraction\": %.3f, "
-                  "\"seed_fwd_ms\": %.4f, \"seed_bwd_ms\": %.4f}",
-                  k ? "," : "", harness::DtypeName(r.spec.dtype), (long long)r.spec.dim,
-                  (long long)r.spec.num_sources(), (long long)r.spec.tokens, r.fwd.ms, r.fwd_bytes,
-                  r.fwd_bytes / r.fwd.ms / 1e6, r.fwd.stream_gbs, r.fwd.fraction, r.bwd.ms,
-                  r.bwd_bytes, r.bwd_bytes / r.bwd.ms / 1e6, r.bwd.stream_gbs, r.bwd.fraction,
-                  r.seed_fwd_ms, r.seed_bwd_ms);
+    std::printf("%-5s %5s %4s %6s | %9s %7s %7s %5s %8s | %9s %7s %7s %5s %8s\n", "dtype", "D",
+                "L", "tokens", "fwd ms", "GB/s", "read", "frac", "vs seed", "bwd ms", "GB/s",
+                "copy", "frac", "vs seed");
+  }
+  const Grid grid = GridFor(options);
+  std::vector<Row> rows;
+  for (attnres_dtype dtype : grid.dtypes) {
+    for (int64_t tokens : grid.token_counts) {
+      for (int64_t dim : grid.dims) {
+        for (int64_t L : grid.sources) {
+          CaseSpec spec;
+          spec.dtype = dtype;
+          spec.tokens = tokens;
+          spec.dim = dim;
+          spec.num_blocks = L - 1;
+          spec.partial = true;
+          const double bytes = 2.0 * tokens * dim * L * harness::ElementBytes(dtype);
+          if (bytes > kMaxBytes) {
+            if (!json) {
+              std::printf("%-5s %5lld %4lld %6lld | skipped: %.1f GB of sources and gradients "
+                          "exceed the %.0f GB budget\n",
+                          harness::DtypeName(dtype), (long long)dim, (long long)L,
+                          (long long)tokens, bytes / 1e9, kMaxBytes / 1e9);
+            }
+            continue;
+          }
+          rows.push_back(MeasureRow(spec, options, threads, repeat, read_gbs, copy_gbs));
+          if (!json) PrintRow(rows.back());
+        }
+      }
     }
-    std::printf("\n], \"scaling\": {\"tokens\": %lld, \"fwd\": %.3f, \"bwd\": %.3f, "
-                "\"read\": %.3f, \"copy\": %.3f}}\n",
-                (long long)headline.tokens, fwd_scaling, bwd_scaling, read_scaling, copy_scaling);
+  }
+
+  const Scaling scaling = MeasureScaling(options, threads, repeat, streams);
+  if (json) {
+    PrintJson(rows, scaling, threads, repeat, streams);
   } else {
     std::printf("thread scaling (bf16 D=1536 L=17 tokens=%lld): forward %.2fx, backward %.2fx "
                 "with %d threads vs 1; the streams scale %.2fx (read) and %.2fx (copy)\n",
-                (long long)headline.tokens, fwd_scaling, bwd_scaling, threads, read_scaling,
-                copy_scaling);
+                (long long)scaling.tokens, scaling.fwd, scaling.bwd, threads, scaling.read,
+                scaling.copy);
   }
   return 0;
 }
