@@ -17,6 +17,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "backends.h"
@@ -173,10 +174,55 @@ double AsAcc(double value, int32_t dtype) {
 // words 0-3 of every 16-byte lane of the pair's 2 * lanes values in the first
 // vector, words 4-7 in the second. With 16-byte vectors that is the identity.
 int64_t KernelRowIndex(const KernelTable& table, int32_t dtype, int64_t d) {
-  const int64_t lanes = table.vector_bytes / 4;
+  const int64_t lanes = table.vector_bytes / 4;  // a power of two: masks, not divisions
   if (dtype != ATTNRES_DTYPE_BFLOAT16 || lanes <= 4) return d;
-  const int64_t e = d % (2 * lanes), word = e % 8;
+  const int64_t e = d & (2 * lanes - 1), word = e & 7;
   return d - e + (word / 4) * lanes + (e / 8) * 4 + word % 4;
+}
+
+// A row of A: w[d] * gamma[d] (w == nullptr: ones; gamma == nullptr: w alone), zeros
+// from dim to padded, in the kernels' row order. Once per call and query, so at one
+// token of a wide model it was most of the call (50 of 70 us at D = 7168): typed
+// loops, the dtype switched on once. The product of two floats rounded to float is
+// the float product, so these are the bits of the double-precision form.
+template <typename T, typename Acc>
+void StoreWeightRowAs(const KernelTable& table, int32_t dtype, const T* w, const T* gamma,
+                      int64_t dim, int64_t padded, Acc* row) {
+  const auto acc = [](T x) -> Acc {
+    if constexpr (std::is_same_v<T, Bf16> || std::is_same_v<T, F16>) {
+      return ToFloat(x);
+    } else {
+      return Acc(x);
+    }
+  };
+  for (int64_t d = 0; d < dim; ++d) {
+    Acc value = w != nullptr ? acc(w[d]) : Acc(1);
+    if (gamma != nullptr) value *= acc(gamma[d]);
+    row[KernelRowIndex(table, dtype, d)] = value;
+  }
+  for (int64_t d = dim; d < padded; ++d) row[KernelRowIndex(table, dtype, d)] = 0;
+}
+
+void StoreWeightRow(const KernelTable& table, int32_t dtype, const void* w, const void* gamma,
+                    int64_t dim, int64_t padded, void* row) {
+  switch (dtype) {
+    case ATTNRES_DTYPE_FLOAT64:
+      return StoreWeightRowAs(table, dtype, static_cast<const double*>(w),
+                              static_cast<const double*>(gamma), dim, padded,
+                              static_cast<double*>(row));
+    case ATTNRES_DTYPE_FLOAT32:
+      return StoreWeightRowAs(table, dtype, static_cast<const float*>(w),
+                              static_cast<const float*>(gamma), dim, padded,
+                              static_cast<float*>(row));
+    case ATTNRES_DTYPE_BFLOAT16:
+      return StoreWeightRowAs(table, dtype, static_cast<const Bf16*>(w),
+                              static_cast<const Bf16*>(gamma), dim, padded,
+                              static_cast<float*>(row));
+    case ATTNRES_DTYPE_FLOAT16:
+      return StoreWeightRowAs(table, dtype, static_cast<const F16*>(w),
+                              static_cast<const F16*>(gamma), dim, padded,
+                              static_cast<float*>(row));
+  }
 }
 
 // Rows of A padded to two of the widest vectors (the kernels load pairs).
@@ -267,17 +313,8 @@ class Call {
                                                    std::to_string(elems * acc_bytes_) +
                                                    " bytes of scratch");
     }
-    const int32_t dtype = p_.dtype;
-    for (int64_t d = 0; d < padded; ++d) {  // zeros beyond dim: whole-vector reads
-      double value = 0;
-      if (d < p_.dim) {
-        value = AsAcc(LoadScalar(p_.proj_weight, d, dtype), dtype);
-        if (p_.rmsnorm && p_.gamma != nullptr) {
-          value = value * AsAcc(LoadScalar(p_.gamma, d, dtype), dtype);
-        }
-      }
-      StoreAcc(base_, KernelRowIndex(d), value);
-    }
+    StoreWeightRow(*table_, p_.dtype, p_.proj_weight, p_.rmsnorm ? p_.gamma : nullptr, p_.dim,
+                   padded, base_);
     info_.wg = base_;
     u_rows_ = base_ + (padded + threads * per_thread_) * acc_bytes_;
     std::memset(u_rows_, 0, chunks * padded * acc_bytes_);
@@ -304,14 +341,6 @@ class Call {
 
  private:
   int64_t KernelRowIndex(int64_t d) const { return cpu::KernelRowIndex(*table_, p_.dtype, d); }
-
-  void StoreAcc(void* base, int64_t d, double value) const {
-    if (acc_bytes_ == 8) {
-      static_cast<double*>(base)[d] = value;
-    } else {
-      static_cast<float*>(base)[d] = static_cast<float>(value);
-    }
-  }
 
   const attnres_params& p_;
   CallInfo info_{};
@@ -464,30 +493,14 @@ attnres_status CpuTwoPhase(const attnres_params& p, int phase, bool backward) {
     return Fail(ATTNRES_ERROR_OUT_OF_MEMORY,
                 "attnres: could not allocate " + std::to_string(bytes) + " bytes of scratch");
   }
-  const auto store = [&](char* row, int64_t d, double value) {
-    const int64_t k = KernelRowIndex(table, dtype, d);
-    if (acc == 8) {
-      reinterpret_cast<double*>(row)[k] = value;
-    } else {
-      reinterpret_cast<float*>(row)[k] = static_cast<float>(value);
-    }
-  };
-  for (int64_t s = 0; s < S; ++s) {  // u_s = w_s * gamma_s, zeros beyond dim
-    for (int64_t d = 0; d < padded; ++d) {
-      double value = 0;
-      if (d < dim) {
-        value = AsAcc(LoadScalar(p.proj_weight, s * dim + d, dtype), dtype);
-        if (has_gamma) value *= AsAcc(LoadScalar(p.gamma, s * dim + d, dtype), dtype);
-      }
-      store(base + s * padded * acc, d, value);
-    }
+  const int64_t elem = ElementBytes(dtype);
+  for (int64_t s = 0; s < S; ++s) {  // u_s = w_s * gamma_s
+    const auto query = [&](const void* v) { return static_cast<const char*>(v) + s * dim * elem; };
+    StoreWeightRow(table, dtype, query(p.proj_weight), has_gamma ? query(p.gamma) : nullptr, dim,
+                   padded, base + s * padded * acc);
   }
-  if (norm) {
-    for (int64_t d = 0; d < padded; ++d) {
-      const double value =
-          d >= dim ? 0 : p.norm_weight == nullptr ? 1 : AsAcc(LoadScalar(p.norm_weight, d, dtype), dtype);
-      store(base + S * padded * acc, d, value);
-    }
+  if (norm) {  // the input norm's weight (ones without one)
+    StoreWeightRow(table, dtype, p.norm_weight, nullptr, dim, padded, base + S * padded * acc);
   }
   char* scratch = base + rows_bytes;
   char* partials = scratch + threads * scratch_bytes;
