@@ -33,16 +33,6 @@ namespace attnres {
 namespace cuda {
 namespace {
 
-const char* DtypeName(int32_t dtype) {
-  switch (dtype) {
-    case ATTNRES_DTYPE_FLOAT32: return "f32";
-    case ATTNRES_DTYPE_FLOAT64: return "f64";
-    case ATTNRES_DTYPE_BFLOAT16: return "bf16";
-    case ATTNRES_DTYPE_FLOAT16: return "f16";
-  }
-  return "?";
-}
-
 std::vector<const void*> SourcePointers(const attnres_params& p) {
   std::vector<const void*> ptrs(p.blocks, p.blocks + p.num_blocks);
   if (p.partial != nullptr) ptrs.push_back(p.partial);

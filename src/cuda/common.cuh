@@ -37,15 +37,20 @@ constexpr int kMaxInlineSources = 128;
 // L device pointers, indexed by source. Kernels receive their argument struct as
 // __grid_constant__, so indexing `inline_ptrs` with a runtime index reads the
 // constant bank directly instead of copying the whole table to local memory.
-template <typename Ptr>
-struct PointerTable {
-  Ptr inline_ptrs[kMaxInlineSources];
-  const Ptr* device_ptrs;  // non-null exactly when L > kMaxInlineSources
+// The same layout serves other per-call pointer arrays (two_phase.cu: the S queries'
+// outputs), with their own inline capacity.
+template <typename Ptr, int kInline>
+struct InlinePointerTable {
+  Ptr inline_ptrs[kInline];
+  const Ptr* device_ptrs;  // non-null exactly when there are more than kInline entries
 
-  __device__ __forceinline__ Ptr Get(int i) const {
+  __device__ __forceinline__ Ptr Get(int64_t i) const {
     return device_ptrs != nullptr ? device_ptrs[i] : inline_ptrs[i];
   }
 };
+
+template <typename Ptr>
+using PointerTable = InlinePointerTable<Ptr, kMaxInlineSources>;
 
 // ---------------------------------------------------------------------------
 // Storage types. Kernels address memory as raw bit patterns (`Bits`) and convert

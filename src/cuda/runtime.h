@@ -27,6 +27,9 @@ namespace attnres::cuda {
 // this GPU) with "<what> failed: <CUDA error name> (<CUDA error text>)".
 attnres_status CudaFailure(const std::string& what, cudaError_t err);
 
+// "f32", "f64", "bf16", "f16": the dtype in kernel names of messages.
+const char* DtypeName(int32_t dtype);
+
 // Checks the launch just enqueued (configuration errors, and sticky errors of
 // earlier work on the device).
 attnres_status CheckLaunch(const std::string& kernel);
@@ -83,18 +86,18 @@ class Scratch {
 attnres_status WritePointerTable(const void* const* ptrs, int64_t n, cudaStream_t stream,
                                  const void** table);
 
-// Fills `table` with the pointers: by value up to kMaxInlineSources, else in a
-// device array in `storage`.
-template <typename Ptr>
+// Fills `table` with the pointers: by value up to its inline capacity, else in a
+// device array in `storage` (an empty `ptrs` leaves every entry null).
+template <typename Ptr, int kInline>
 attnres_status FillPointerTable(const std::vector<Ptr>& ptrs, cudaStream_t stream,
-                                Scratch* storage, PointerTable<Ptr>* table) {
+                                Scratch* storage, InlinePointerTable<Ptr, kInline>* table) {
   table->device_ptrs = nullptr;
   std::fill(std::begin(table->inline_ptrs), std::end(table->inline_ptrs), Ptr{});
-  if (ptrs.size() <= static_cast<size_t>(kMaxInlineSources)) {
+  if (ptrs.size() <= static_cast<size_t>(kInline)) {
     std::copy(ptrs.begin(), ptrs.end(), table->inline_ptrs);
     return ATTNRES_OK;
   }
-  if (attnres_status s = storage->Allocate(ptrs.size() * sizeof(Ptr), "a source pointer table");
+  if (attnres_status s = storage->Allocate(ptrs.size() * sizeof(Ptr), "a device pointer table");
       s != ATTNRES_OK) {
     return s;
   }

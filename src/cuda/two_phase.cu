@@ -99,14 +99,7 @@ int64_t TokensPerItem(int64_t num_tokens, int64_t rows_per_item, int64_t dim, in
 // Row access.
 
 template <typename Ptr>
-struct QueryTable {
-  Ptr inline_ptrs[kMaxInlineQueries];
-  const Ptr* device_ptrs;  // non-null exactly when S > kMaxInlineQueries
-
-  __device__ __forceinline__ Ptr Get(int64_t s) const {
-    return device_ptrs != nullptr ? device_ptrs[s] : inline_ptrs[s];
-  }
-};
+using QueryTable = InlinePointerTable<Ptr, kMaxInlineQueries>;
 
 // A row of T in chunks of kVec elements (16 bytes; one element for float64),
 // converted to Acc. Chunks past dim read as zero and are not written.
@@ -721,48 +714,8 @@ __global__ void __launch_bounds__(kPhase2Threads)
 // ---------------------------------------------------------------------------
 // Host side.
 
-const char* DtypeName(int32_t dtype) {
-  switch (dtype) {
-    case ATTNRES_DTYPE_FLOAT32: return "f32";
-    case ATTNRES_DTYPE_FLOAT64: return "f64";
-    case ATTNRES_DTYPE_BFLOAT16: return "bf16";
-    case ATTNRES_DTYPE_FLOAT16: return "f16";
-  }
-  return "?";
-}
-
 std::string Indexed(const char* name, int64_t i) {
   return std::string(name) + "[" + std::to_string(i) + "]";
-}
-
-template <typename Ptr>
-attnres_status FillQueryTable(const std::vector<Ptr>& ptrs, cudaStream_t stream, Scratch* storage,
-                              QueryTable<Ptr>* table) {
-  table->device_ptrs = nullptr;
-  std::fill(std::begin(table->inline_ptrs), std::end(table->inline_ptrs), Ptr{});
-  if (ptrs.size() <= static_cast<size_t>(kMaxInlineQueries)) {
-    std::copy(ptrs.begin(), ptrs.end(), table->inline_ptrs);
-    return ATTNRES_OK;
-  }
-  if (attnres_status s = storage->Allocate(ptrs.size() * sizeof(Ptr), "a query pointer table");
-      s != ATTNRES_OK) {
-    return s;
-  }
-  std::vector<const void*> untyped(ptrs.begin(), ptrs.end());
-  const void** device_table = storage->get<const void*>();
-  if (attnres_status s = WritePointerTable(untyped.data(), static_cast<int64_t>(untyped.size()),
-                                           stream, device_table);
-      s != ATTNRES_OK) {
-    return s;
-  }
-  table->device_ptrs = static_cast<const Ptr*>(static_cast<void*>(device_table));
-  return ATTNRES_OK;
-}
-
-template <typename Ptr>
-void EmptyTable(QueryTable<Ptr>* table) {
-  table->device_ptrs = nullptr;
-  std::fill(std::begin(table->inline_ptrs), std::end(table->inline_ptrs), Ptr{});
 }
 
 // The S entries of a query pointer array, or S nulls for a null array.
@@ -943,20 +896,20 @@ attnres_status RunPhase1(const Call& call) {
       std::any_of(grad_ptrs.begin(), grad_ptrs.end(), [](void* ptr) { return ptr != nullptr; });
   attnres_status s = ATTNRES_OK;
   if (!call.backward) {
-    s = FillQueryTable(QueryPointers<void*>(p.query_outs, S), call.stream, &table_a, &args.outs);
+    s = FillPointerTable(QueryPointers<void*>(p.query_outs, S), call.stream, &table_a, &args.outs);
     if (s == ATTNRES_OK) {
-      s = FillQueryTable(QueryPointers<void*>(p.query_lses, S), call.stream, &table_b, &args.lses);
+      s = FillPointerTable(QueryPointers<void*>(p.query_lses, S), call.stream, &table_b, &args.lses);
     }
-    EmptyTable(&args.grad_outs);
-    EmptyTable(&args.grad_lses);
+    args.grad_outs = {};  // all null
+    args.grad_lses = {};  // all null
   } else {
-    EmptyTable(&args.outs);
-    EmptyTable(&args.lses);
-    s = FillQueryTable(QueryPointers<const void*>(p.grad_query_outs, S), call.stream, &table_a,
-                       &args.grad_outs);
+    args.outs = {};  // all null
+    args.lses = {};  // all null
+    s = FillPointerTable(QueryPointers<const void*>(p.grad_query_outs, S), call.stream, &table_a,
+                         &args.grad_outs);
     if (s == ATTNRES_OK) {
-      s = FillQueryTable(QueryPointers<const void*>(p.grad_query_lses, S), call.stream, &table_b,
-                         &args.grad_lses);
+      s = FillPointerTable(QueryPointers<const void*>(p.grad_query_lses, S), call.stream,
+                           &table_b, &args.grad_lses);
     }
   }
   if (s != ATTNRES_OK) return s;
