@@ -143,7 +143,7 @@ struct Stats {
 template <typename T>
 const T* NextRow(const CallInfo& info, int64_t i, int64_t j, int64_t begin, int64_t end,
                  const T* after_last) {
-  const int64_t stride = info.params->source_row_stride;
+  const int64_t stride = info.source_row_stride;
   if (begin + j + 1 < end) return static_cast<const T*>(info.sources[i]) + (begin + j + 1) * stride;
   if (i + 1 < info.num_sources) return static_cast<const T*>(info.sources[i + 1]) + begin * stride;
   return after_last;
@@ -153,7 +153,7 @@ const T* NextRow(const CallInfo& info, int64_t i, int64_t j, int64_t begin, int6
 // own when it is the last): what pass 1 prefetches after its last row.
 template <typename T>
 const T* NextTileRow(const CallInfo& info, int64_t begin, int64_t end) {
-  const attnres_params& p = *info.params;
+  const CallInfo& p = info;
   return static_cast<const T*>(info.sources[0]) +
          (end < p.num_tokens ? end : begin) * p.source_row_stride;
 }
@@ -162,8 +162,8 @@ const T* NextTileRow(const CallInfo& info, int64_t begin, int64_t end) {
 // when there is no such row.
 inline int64_t NextTileOffset(const CallInfo& info, int64_t begin, int64_t end, int64_t j) {
   const int64_t t = end + j;
-  const bool in_next_tile = t < info.params->num_tokens && j < end - begin;
-  return in_next_tile ? t * info.params->source_row_stride : -1;
+  const bool in_next_tile = t < info.num_tokens && j < end - begin;
+  return in_next_tile ? t * info.source_row_stride : -1;
 }
 
 template <typename T, bool kRmsNorm>
@@ -171,7 +171,7 @@ void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin
                      int64_t end) {
   using R = BlockRow<T>;
   using A = typename R::A;
-  const attnres_params& p = *info.params;
+  const CallInfo& p = info;
   const int64_t dim = p.dim, L = info.num_sources;
   const int64_t n = end - begin;
   const A scale = static_cast<A>(p.scale), eps = static_cast<A>(p.eps);
@@ -228,12 +228,12 @@ class BackwardPipeline {
 
  public:
   BackwardPipeline(const CallInfo& info, const Scratch& scratch)
-      : info_(info), p_(*info.params), dim_(p_.dim), L_(info.num_sources),
+      : info_(info), dim_(info.dim), L_(info.num_sources),
         padded_(info.padded_dim), tile_tokens_(info.tile_tokens),
         wg_(static_cast<const A*>(info.wg)), u_(static_cast<A*>(scratch.u)),
-        grad_out_(static_cast<const T*>(p_.grad_out)),
-        rms_cache_(static_cast<const A*>(p_.rms_cache)),
-        alpha_cache_(static_cast<const A*>(p_.alpha_cache)) {
+        grad_out_(static_cast<const T*>(info_.grad_out)),
+        rms_cache_(static_cast<const A*>(info_.rms_cache)),
+        alpha_cache_(static_cast<const A*>(info_.alpha_cache)) {
     for (int k = 0; k < 2; ++k) {
       tiles_[k].g = static_cast<A*>(scratch.acc) + k * tile_tokens_ * padded_;
       tiles_[k].st = Stats<A>(static_cast<A*>(scratch.stats) + k * 4 * tile_tokens_ * L_,
@@ -243,7 +243,7 @@ class BackwardPipeline {
     for (int64_t i = 0; i < L_; ++i) {
       if (info.grad_sources[i] == nullptr) continue;
       write_ = true;
-      stream = stream && RowsStreamable<T>(info.grad_sources[i], p_.grad_source_row_stride);
+      stream = stream && RowsStreamable<T>(info.grad_sources[i], info_.grad_source_row_stride);
     }
     stream_ = stream && write_;
   }
@@ -254,7 +254,7 @@ class BackwardPipeline {
     Tile* first = Start(0, begin, end);
     for (int64_t r = 0; r < L_ * first->n; ++r) {  // pass 1 of tile 0, on its own,
       const int64_t t = first->begin + tile_tokens_ + r % first->n;  // asking for tile 1
-      PassOneRow(*first, r, t < p_.num_tokens ? Source(r / first->n) + t * p_.source_row_stride : nullptr);
+      PassOneRow(*first, r, t < info_.num_tokens ? Source(r / first->n) + t * info_.source_row_stride : nullptr);
     }
     for (int64_t k = 0; k < num_tiles; ++k) {
       Tile& cur = tiles_[k % 2];
@@ -276,8 +276,8 @@ class BackwardPipeline {
             // Rows r < next->n are source 0's, of token r: tile k + 2's token r.
             const int64_t t = after_next + rows_done;
             const bool source_0 = rows_done < next->n;
-            PassOneRow(*next, rows_done, source_0 && t < p_.num_tokens
-                                             ? grad_out_ + t * p_.grad_out_row_stride
+            PassOneRow(*next, rows_done, source_0 && t < info_.num_tokens
+                                             ? grad_out_ + t * info_.grad_out_row_stride
                                              : nullptr);
           }
           // Up to the unit where the next row is due (at least one chunk).
@@ -285,7 +285,7 @@ class BackwardPipeline {
           const int64_t c_end = std::min(chunks, std::max(c + 1, due - j * chunks));
           const int64_t t = after_next + j;
           PassTwo(cur, j, c * R::kChunkElems, std::min(c_end * R::kChunkElems, dim_),
-                  t < p_.num_tokens ? t * p_.source_row_stride : -1);
+                  t < info_.num_tokens ? t * info_.source_row_stride : -1);
           c = c_end;
         }
       }
@@ -309,7 +309,7 @@ class BackwardPipeline {
     tile.begin = begin + k * tile_tokens_;
     tile.n = std::min(tile_tokens_, end - tile.begin);
     for (int64_t j = 0; j < tile.n; ++j) {
-      R::Widen(tile.g + j * padded_, grad_out_ + (tile.begin + j) * p_.grad_out_row_stride, dim_);
+      R::Widen(tile.g + j * padded_, grad_out_ + (tile.begin + j) * info_.grad_out_row_stride, dim_);
     }
     return &tile;
   }
@@ -319,9 +319,9 @@ class BackwardPipeline {
   // into L2.
   void PassOneRow(Tile& tile, int64_t r, const T* ahead) {
     const int64_t i = r / tile.n, j = r % tile.n;
-    const T* x = Source(i) + (tile.begin + j) * p_.source_row_stride;
+    const T* x = Source(i) + (tile.begin + j) * info_.source_row_stride;
     const T* next = r + 1 < L_ * tile.n
-                        ? Source((r + 1) / tile.n) + (tile.begin + (r + 1) % tile.n) * p_.source_row_stride
+                        ? Source((r + 1) / tile.n) + (tile.begin + (r + 1) % tile.n) * info_.source_row_stride
                         : x;
     const A* g = tile.g + j * padded_;
     const bool need_sum_sq = kRmsNorm && rms_cache_ == nullptr;
@@ -333,17 +333,17 @@ class BackwardPipeline {
     }
     A rms = 1;
     if (kRmsNorm) {
-      rms = need_sum_sq ? math::Rms(sum_sq, dim_, static_cast<A>(p_.eps))
+      rms = need_sum_sq ? math::Rms(sum_sq, dim_, static_cast<A>(info_.eps))
                         : rms_cache_[(tile.begin + j) * L_ + i];
     }
-    tile.st.z[j * L_ + i] = static_cast<A>(p_.scale) * (dot_wg / rms);
+    tile.st.z[j * L_ + i] = static_cast<A>(info_.scale) * (dot_wg / rms);
     tile.st.r[j * L_ + i] = rms;
     tile.st.ga[j * L_ + i] = dot_g;
   }
 
   // Softmax backward per token; turns (z, r) into the pass-2 coefficients (b, a).
   void Coefficients(Tile& tile) {
-    const A scale = static_cast<A>(p_.scale);
+    const A scale = static_cast<A>(info_.scale);
     for (int64_t j = 0; j < tile.n; ++j) {
       A* z = tile.st.z + j * L_;
       A* r = tile.st.r + j * L_;
@@ -370,8 +370,8 @@ class BackwardPipeline {
     const int64_t t = tile.begin + j;
     const auto grads = [&](auto kernel) {
       // (grad_source_row_stride is only validated when a gradient row is written.)
-      kernel(info_.grad_sources, write_ ? t * p_.grad_source_row_stride : 0, info_.sources,
-             t * p_.source_row_stride, prefetch_offset, tile.g + j * padded_, wg_,
+      kernel(info_.grad_sources, write_ ? t * info_.grad_source_row_stride : 0, info_.sources,
+             t * info_.source_row_stride, prefetch_offset, tile.g + j * padded_, wg_,
              tile.st.alpha + j * L_, tile.st.r + j * L_, tile.st.z + j * L_, L_, u_, d_begin,
              d_end, dim_);
     };
@@ -385,7 +385,6 @@ class BackwardPipeline {
   }
 
   const CallInfo& info_;
-  const attnres_params& p_;
   const int64_t dim_, L_, padded_, tile_tokens_;
   const A* wg_;
   A* u_;  // this chunk's U, or null
@@ -398,7 +397,7 @@ class BackwardPipeline {
 
 template <typename T>
 void ForwardTile(const CallInfo& info, const Scratch& s, int64_t begin, int64_t end) {
-  if (info.params->rmsnorm) {
+  if (info.rmsnorm) {
     ForwardTileImpl<T, true>(info, s, begin, end);
   } else {
     ForwardTileImpl<T, false>(info, s, begin, end);
@@ -407,7 +406,7 @@ void ForwardTile(const CallInfo& info, const Scratch& s, int64_t begin, int64_t 
 
 template <typename T>
 void BackwardRange(const CallInfo& info, const Scratch& s, int64_t begin, int64_t end) {
-  if (info.params->rmsnorm) {
+  if (info.rmsnorm) {
     BackwardPipeline<T, true>(info, s).Run(begin, end);
   } else {
     BackwardPipeline<T, false>(info, s).Run(begin, end);

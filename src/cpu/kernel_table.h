@@ -1,5 +1,6 @@
 // The contract between the CPU dispatcher (backend.cc, compiled for the baseline
-// ISA) and the kernel variants (kernels.cc, compiled once per ISA).
+// ISA) and the kernel variants (block_attn_res.cc and two_phase.cc, compiled once per
+// ISA).
 //
 // Only plain structs, declarations and integer size formulas live here: a function
 // with floating-point or vector work defined in a header shared by translation
@@ -18,8 +19,22 @@ namespace attnres::cpu {
 // Per-call constants, prepared once by the dispatcher. "A" below is the
 // accumulation type: float, or double for float64 inputs. Vectors of length
 // padded_dim are zero beyond dim so that kernels can run whole SIMD vectors.
+// The single op's kernels see only this (never attnres_params): the ABI may grow
+// without touching them, and what a kernel reads is listed here.
 struct CallInfo {
-  const attnres_params* params;
+  // The problem, as validated by abi.cc: [num_tokens, dim] rows, strides in elements.
+  int64_t num_tokens, dim;
+  int64_t source_row_stride;
+  double scale, eps;
+  bool rmsnorm;
+  void* out;                   // forward: h, and the optional caches (null: not wanted)
+  int64_t out_row_stride;
+  void* rms_cache;             // [num_tokens, L] of A, forward output / backward input
+  void* alpha_cache;
+  const void* grad_out;        // backward: g
+  int64_t grad_out_row_stride;
+  int64_t grad_source_row_stride;
+  // Prepared by the dispatcher.
   int64_t num_sources;         // L
   int64_t padded_dim;          // dim rounded up to two of the widest vectors (a pair)
   int64_t tile_tokens;         // tokens per tile: pass 2 rereads the tile's rows from cache
