@@ -539,7 +539,37 @@ attnres_status CpuTwoPhase(const attnres_params& p, int phase, bool backward) {
   char* scratch = base + rows_bytes;
   char* partials = scratch + threads * scratch_bytes;
   std::memset(partials, 0, num_chunks * partial_bytes);
-  const PhaseInfo info{&p, padded, base, norm ? base + S * padded * acc : nullptr};
+  PhaseInfo info{};
+  info.dim = p.dim;
+  info.num_blocks = p.num_blocks;
+  info.num_queries = p.num_queries;
+  info.source_row_stride = p.source_row_stride;
+  info.out_row_stride = p.out_row_stride;
+  info.grad_out_row_stride = p.grad_out_row_stride;
+  info.grad_source_row_stride = p.grad_source_row_stride;
+  info.scale = p.scale;
+  info.eps = p.eps;
+  info.norm_eps = p.norm_eps;
+  info.rmsnorm = p.rmsnorm != 0;
+  info.input_norm = p.input_norm != 0;
+  info.accumulate_grads = p.accumulate_grads != 0;
+  info.blocks = p.blocks;
+  info.query_outs = p.query_outs;
+  info.query_lses = p.query_lses;
+  info.grad_query_outs = p.grad_query_outs;
+  info.grad_query_lses = p.grad_query_lses;
+  info.grad_blocks = p.grad_blocks;
+  info.query_out = p.query_out;
+  info.query_lse = p.query_lse;
+  info.partial = p.partial;
+  info.out = p.out;
+  info.grad_out = p.grad_out;
+  info.grad_query_out = p.grad_query_out;
+  info.grad_query_lse = p.grad_query_lse;
+  info.grad_partial = p.grad_partial;
+  info.padded_dim = padded;
+  info.wg = base;
+  info.norm_weight = norm ? base + S * padded * acc : nullptr;
   ParallelFor(threads, num_chunks, [&](int thread, int64_t c) {
     run(info, scratch + thread * scratch_bytes, weight_grads ? partials + c * partial_bytes : nullptr,
         c * chunk_tokens, std::min((c + 1) * chunk_tokens, p.num_tokens));

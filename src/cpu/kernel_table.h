@@ -62,8 +62,30 @@ using RangeFn = void (*)(const CallInfo& info, const Scratch& scratch, int64_t b
 
 // The two-phase ops (two_phase.cc). Per-call constants, prepared by the dispatcher;
 // rows of A are padded with zeros to padded_dim and in the kernels' row order.
+// Like CallInfo, the kernels see only this, never attnres_params.
 struct PhaseInfo {
-  const attnres_params* params;
+  // The problem, as validated by abi.cc (field meanings as in attnres.h).
+  int64_t dim, num_blocks, num_queries;
+  int64_t source_row_stride, out_row_stride, grad_out_row_stride, grad_source_row_stride;
+  double scale, eps, norm_eps;
+  bool rmsnorm, input_norm, accumulate_grads;
+  // Phase 1: the blocks, and per query its output and LSE (gradients backward).
+  const void* const* blocks;
+  void* const* query_outs;
+  void* const* query_lses;
+  const void* const* grad_query_outs;  // entries may be null (zero gradient)
+  const void* const* grad_query_lses;  // null, or entries that may be null
+  void* const* grad_blocks;            // null, or entries that may be null
+  // Phase 2: o, its LSE and the partial block in; h out (gradients backward).
+  const void* query_out;
+  const void* query_lse;
+  const void* partial;
+  void* out;
+  const void* grad_out;
+  void* grad_query_out;
+  void* grad_query_lse;
+  void* grad_partial;
+  // Prepared by the dispatcher.
   int64_t padded_dim;
   const void* wg;           // A[num_queries][padded_dim]: u_s = w_s * gamma_s (w_s when
                             // rmsnorm is off or gamma is NULL); phase 2: one row

@@ -201,7 +201,7 @@ struct PhaseScratch {
 template <typename T>
 void Phase1Logits(const PhaseInfo& info, int64_t t, int64_t num_rows, PhaseScratch<T>& ws) {
   using A = typename Row<T>::A;
-  const attnres_params& p = *info.params;
+  const PhaseInfo& p = info;
   const int64_t S = p.num_queries, N = p.num_blocks;
   const A scale = static_cast<A>(p.scale), eps = static_cast<A>(p.eps);
   for (int64_t i = 0; i < N; ++i) {
@@ -227,7 +227,7 @@ typename Row<T>::A Phase1Weights(PhaseScratch<T>& ws, int64_t s, int64_t N) {
 template <typename T>
 void Phase1Forward(const PhaseInfo& info, void* scratch, void*, int64_t begin, int64_t end) {
   using A = typename Row<T>::A;
-  const attnres_params& p = *info.params;
+  const PhaseInfo& p = info;
   const int64_t S = p.num_queries, N = p.num_blocks, padded = info.padded_dim;
   PhaseScratch<T> ws(scratch, S, N, padded);
   for (int64_t s = 0; s < S; ++s) {
@@ -249,7 +249,7 @@ void Phase1Backward(const PhaseInfo& info, void* scratch, void* partials, int64_
                     int64_t end) {
   using R = PhaseRow<T>;
   using A = typename R::A;
-  const attnres_params& p = *info.params;
+  const PhaseInfo& p = info;
   const int64_t S = p.num_queries, N = p.num_blocks, padded = info.padded_dim, dim = p.dim;
   const A scale = static_cast<A>(p.scale);
   PhaseScratch<T> ws(scratch, S, N, padded);
@@ -312,7 +312,7 @@ struct MergeToken {
   A beta = 1, z = 0, r = 1;
 
   MergeToken(const PhaseInfo& info, int64_t t) {
-    const attnres_params& pr = *info.params;
+    const PhaseInfo& pr = info;
     o = RowOf<T>(pr.query_out, t, pr.source_row_stride);
     p = pr.partial != nullptr ? RowOf<T>(pr.partial, t, pr.source_row_stride) : nullptr;
     if (p == nullptr) return;
@@ -342,7 +342,7 @@ void Phase2Forward(const PhaseInfo& info, void*, void*, int64_t begin, int64_t e
   using R = Row<T>;
   using A = typename R::A;
   using V = typename R::V;
-  const attnres_params& p = *info.params;
+  const PhaseInfo& p = info;
   const int64_t dim = p.dim, kLanes = R::kLanes;
   const A* nw = static_cast<const A*>(info.norm_weight);
   for (int64_t t = begin; t < end; ++t) {
@@ -381,7 +381,7 @@ void Phase2Backward(const PhaseInfo& info, void*, void* partials, int64_t begin,
   using R = Row<T>;
   using A = typename R::A;
   using V = typename R::V;
-  const attnres_params& p = *info.params;
+  const PhaseInfo& p = info;
   const int64_t dim = p.dim, kLanes = R::kLanes, padded = info.padded_dim;
   const A* nw = static_cast<const A*>(info.norm_weight);
   const A* wg = static_cast<const A*>(info.wg);
