@@ -283,6 +283,58 @@ void ParallelFor(int threads, int64_t n, const Fn& fn) {
   for (int64_t item = 0; item < n; ++item) fn(omp_get_thread_num(), item);
 }
 
+// What the single op's kernels read of the problem (kernel_table.h: CallInfo).
+CallInfo CallProblem(const attnres_params& p) {
+  CallInfo info{};
+  info.num_tokens = p.num_tokens;
+  info.dim = p.dim;
+  info.source_row_stride = p.source_row_stride;
+  info.scale = p.scale;
+  info.eps = p.eps;
+  info.rmsnorm = p.rmsnorm != 0;
+  info.out = p.out;
+  info.out_row_stride = p.out_row_stride;
+  info.rms_cache = p.rms_cache;
+  info.alpha_cache = p.alpha_cache;
+  info.grad_out = p.grad_out;
+  info.grad_out_row_stride = p.grad_out_row_stride;
+  info.grad_source_row_stride = p.grad_source_row_stride;
+  return info;
+}
+
+// What the two-phase kernels read of the problem (kernel_table.h: PhaseInfo).
+PhaseInfo PhaseProblem(const attnres_params& p) {
+  PhaseInfo info{};
+  info.dim = p.dim;
+  info.num_blocks = p.num_blocks;
+  info.num_queries = p.num_queries;
+  info.source_row_stride = p.source_row_stride;
+  info.out_row_stride = p.out_row_stride;
+  info.grad_out_row_stride = p.grad_out_row_stride;
+  info.grad_source_row_stride = p.grad_source_row_stride;
+  info.scale = p.scale;
+  info.eps = p.eps;
+  info.norm_eps = p.norm_eps;
+  info.rmsnorm = p.rmsnorm != 0;
+  info.input_norm = p.input_norm != 0;
+  info.accumulate_grads = p.accumulate_grads != 0;
+  info.blocks = p.blocks;
+  info.query_outs = p.query_outs;
+  info.query_lses = p.query_lses;
+  info.grad_query_outs = p.grad_query_outs;
+  info.grad_query_lses = p.grad_query_lses;
+  info.grad_blocks = p.grad_blocks;
+  info.query_out = p.query_out;
+  info.query_lse = p.query_lse;
+  info.partial = p.partial;
+  info.out = p.out;
+  info.grad_out = p.grad_out;
+  info.grad_query_out = p.grad_query_out;
+  info.grad_query_lse = p.grad_query_lse;
+  info.grad_partial = p.grad_partial;
+  return info;
+}
+
 // Everything one call needs besides the kernels: sources, wg, scratch.
 class Call {
  public:
@@ -292,19 +344,7 @@ class Call {
     backward_ = backward;
     const int32_t dtype = p_.dtype;
     acc_bytes_ = AccumBytes(dtype);
-    info_.num_tokens = p_.num_tokens;
-    info_.dim = p_.dim;
-    info_.source_row_stride = p_.source_row_stride;
-    info_.scale = p_.scale;
-    info_.eps = p_.eps;
-    info_.rmsnorm = p_.rmsnorm != 0;
-    info_.out = p_.out;
-    info_.out_row_stride = p_.out_row_stride;
-    info_.rms_cache = p_.rms_cache;
-    info_.alpha_cache = p_.alpha_cache;
-    info_.grad_out = p_.grad_out;
-    info_.grad_out_row_stride = p_.grad_out_row_stride;
-    info_.grad_source_row_stride = p_.grad_source_row_stride;
+    info_ = CallProblem(p_);
     table_ = &Table();
     info_.num_sources = NumSources(p_);
     info_.padded_dim = PaddedDim(p_.dim, dtype);
@@ -539,34 +579,7 @@ attnres_status CpuTwoPhase(const attnres_params& p, int phase, bool backward) {
   char* scratch = base + rows_bytes;
   char* partials = scratch + threads * scratch_bytes;
   std::memset(partials, 0, num_chunks * partial_bytes);
-  PhaseInfo info{};
-  info.dim = p.dim;
-  info.num_blocks = p.num_blocks;
-  info.num_queries = p.num_queries;
-  info.source_row_stride = p.source_row_stride;
-  info.out_row_stride = p.out_row_stride;
-  info.grad_out_row_stride = p.grad_out_row_stride;
-  info.grad_source_row_stride = p.grad_source_row_stride;
-  info.scale = p.scale;
-  info.eps = p.eps;
-  info.norm_eps = p.norm_eps;
-  info.rmsnorm = p.rmsnorm != 0;
-  info.input_norm = p.input_norm != 0;
-  info.accumulate_grads = p.accumulate_grads != 0;
-  info.blocks = p.blocks;
-  info.query_outs = p.query_outs;
-  info.query_lses = p.query_lses;
-  info.grad_query_outs = p.grad_query_outs;
-  info.grad_query_lses = p.grad_query_lses;
-  info.grad_blocks = p.grad_blocks;
-  info.query_out = p.query_out;
-  info.query_lse = p.query_lse;
-  info.partial = p.partial;
-  info.out = p.out;
-  info.grad_out = p.grad_out;
-  info.grad_query_out = p.grad_query_out;
-  info.grad_query_lse = p.grad_query_lse;
-  info.grad_partial = p.grad_partial;
+  PhaseInfo info = PhaseProblem(p);
   info.padded_dim = padded;
   info.wg = base;
   info.norm_weight = norm ? base + S * padded * acc : nullptr;
