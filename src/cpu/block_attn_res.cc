@@ -153,9 +153,8 @@ const T* NextRow(const CallInfo& info, int64_t i, int64_t j, int64_t begin, int6
 // own when it is the last): what pass 1 prefetches after its last row.
 template <typename T>
 const T* NextTileRow(const CallInfo& info, int64_t begin, int64_t end) {
-  const CallInfo& p = info;
   return static_cast<const T*>(info.sources[0]) +
-         (end < p.num_tokens ? end : begin) * p.source_row_stride;
+         (end < info.num_tokens ? end : begin) * info.source_row_stride;
 }
 
 // Where row j of this thread's next tile starts in every source (elements), or -1
@@ -171,19 +170,18 @@ void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin
                      int64_t end) {
   using R = BlockRow<T>;
   using A = typename R::A;
-  const CallInfo& p = info;
-  const int64_t dim = p.dim, L = info.num_sources;
+  const int64_t dim = info.dim, L = info.num_sources;
   const int64_t n = end - begin;
-  const A scale = static_cast<A>(p.scale), eps = static_cast<A>(p.eps);
+  const A scale = static_cast<A>(info.scale), eps = static_cast<A>(info.eps);
   const A* wg = static_cast<const A*>(info.wg);
   Stats<A> st(scratch.stats, info.tile_tokens, L);
 
   // Pass 1: the logits.
   const T* after_last = NextTileRow<T>(info, begin, end);
   for (int64_t i = 0; i < L; ++i) {
-    const T* src = static_cast<const T*>(info.sources[i]) + begin * p.source_row_stride;
+    const T* src = static_cast<const T*>(info.sources[i]) + begin * info.source_row_stride;
     for (int64_t j = 0; j < n; ++j) {
-      const T* x = src + j * p.source_row_stride;
+      const T* x = src + j * info.source_row_stride;
       A sum_sq = 0, dot = 0;
       R::template Dots<kRmsNorm, false>(x, NextRow(info, i, j, begin, end, after_last), nullptr, wg,
                                         nullptr, dim, &sum_sq, &dot, nullptr);
@@ -194,10 +192,10 @@ void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin
   }
 
   // Softmax, caches, and pass 2: the weighted sum, token by token.
-  T* out = static_cast<T*>(p.out);
-  A* rms_cache = static_cast<A*>(p.rms_cache);
-  A* alpha_cache = static_cast<A*>(p.alpha_cache);
-  const bool stream = info.stream_stores && RowsStreamable<T>(out, p.out_row_stride);
+  T* out = static_cast<T*>(info.out);
+  A* rms_cache = static_cast<A*>(info.rms_cache);
+  A* alpha_cache = static_cast<A*>(info.alpha_cache);
+  const bool stream = info.stream_stores && RowsStreamable<T>(out, info.out_row_stride);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t t = begin + j;
     A* alpha = st.alpha + j * L;
@@ -206,7 +204,7 @@ void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin
       if (rms_cache != nullptr) rms_cache[t * L + i] = st.r[j * L + i];
       if (alpha_cache != nullptr) alpha_cache[t * L + i] = alpha[i];
     }
-    R::WeightedSum(out + t * p.out_row_stride, info.sources, t * p.source_row_stride,
+    R::WeightedSum(out + t * info.out_row_stride, info.sources, t * info.source_row_stride,
                    NextTileOffset(info, begin, end, j), alpha, L, dim, stream);
   }
   if (stream) R::FenceStreams();

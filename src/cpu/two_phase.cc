@@ -201,14 +201,13 @@ struct PhaseScratch {
 template <typename T>
 void Phase1Logits(const PhaseInfo& info, int64_t t, int64_t num_rows, PhaseScratch<T>& ws) {
   using A = typename Row<T>::A;
-  const PhaseInfo& p = info;
-  const int64_t S = p.num_queries, N = p.num_blocks;
-  const A scale = static_cast<A>(p.scale), eps = static_cast<A>(p.eps);
+  const int64_t S = info.num_queries, N = info.num_blocks;
+  const A scale = static_cast<A>(info.scale), eps = static_cast<A>(info.eps);
   for (int64_t i = 0; i < N; ++i) {
-    ws.src[i] = RowOf<T>(p.blocks[i], t, p.source_row_stride);
+    ws.src[i] = RowOf<T>(info.blocks[i], t, info.source_row_stride);
     A sum_sq = 0;
-    PhaseRow<T>::Dots(ws.src[i], ws.rows, num_rows, p.dim, &sum_sq, ws.dots);
-    const A r = p.rmsnorm ? math::Rms(sum_sq, p.dim, eps) : A(1);
+    PhaseRow<T>::Dots(ws.src[i], ws.rows, num_rows, info.dim, &sum_sq, ws.dots);
+    const A r = info.rmsnorm ? math::Rms(sum_sq, info.dim, eps) : A(1);
     ws.r[i] = r;
     for (int64_t s = 0; s < S; ++s) ws.z[s * N + i] = scale * (ws.dots[s] / r);
     for (int64_t s = S; s < num_rows; ++s) ws.dz[(s - S) * N + i] = ws.dots[s];
@@ -227,8 +226,7 @@ typename Row<T>::A Phase1Weights(PhaseScratch<T>& ws, int64_t s, int64_t N) {
 template <typename T>
 void Phase1Forward(const PhaseInfo& info, void* scratch, void*, int64_t begin, int64_t end) {
   using A = typename Row<T>::A;
-  const PhaseInfo& p = info;
-  const int64_t S = p.num_queries, N = p.num_blocks, padded = info.padded_dim;
+  const int64_t S = info.num_queries, N = info.num_blocks, padded = info.padded_dim;
   PhaseScratch<T> ws(scratch, S, N, padded);
   for (int64_t s = 0; s < S; ++s) {
     ws.rows[s] = static_cast<const A*>(info.wg) + s * padded;
@@ -237,10 +235,10 @@ void Phase1Forward(const PhaseInfo& info, void* scratch, void*, int64_t begin, i
   for (int64_t t = begin; t < end; ++t) {
     Phase1Logits<T>(info, t, S, ws);
     for (int64_t s = 0; s < S; ++s) {
-      static_cast<A*>(p.query_lses[s])[t] = Phase1Weights(ws, s, N);
-      ws.outs[s] = static_cast<T*>(p.query_outs[s]) + t * p.out_row_stride;
+      static_cast<A*>(info.query_lses[s])[t] = Phase1Weights(ws, s, N);
+      ws.outs[s] = static_cast<T*>(info.query_outs[s]) + t * info.out_row_stride;
     }
-    PhaseRow<T>::template Mix<false>(ws.src, N, ws.weights, ws.outs, S, p.dim);
+    PhaseRow<T>::template Mix<false>(ws.src, N, ws.weights, ws.outs, S, info.dim);
   }
 }
 
@@ -249,9 +247,8 @@ void Phase1Backward(const PhaseInfo& info, void* scratch, void* partials, int64_
                     int64_t end) {
   using R = PhaseRow<T>;
   using A = typename R::A;
-  const PhaseInfo& p = info;
-  const int64_t S = p.num_queries, N = p.num_blocks, padded = info.padded_dim, dim = p.dim;
-  const A scale = static_cast<A>(p.scale);
+  const int64_t S = info.num_queries, N = info.num_blocks, padded = info.padded_dim, dim = info.dim;
+  const A scale = static_cast<A>(info.scale);
   PhaseScratch<T> ws(scratch, S, N, padded);
   for (int64_t s = 0; s < S; ++s) {
     ws.rows[s] = static_cast<const A*>(info.wg) + s * padded;
@@ -261,8 +258,8 @@ void Phase1Backward(const PhaseInfo& info, void* scratch, void* partials, int64_
   }
   for (int64_t t = begin; t < end; ++t) {
     for (int64_t s = 0; s < S; ++s) {
-      const T* g = p.grad_query_outs[s] != nullptr
-                       ? RowOf<T>(p.grad_query_outs[s], t, p.grad_out_row_stride)
+      const T* g = info.grad_query_outs[s] != nullptr
+                       ? RowOf<T>(info.grad_query_outs[s], t, info.grad_out_row_stride)
                        : nullptr;
       if (g != nullptr) {
         R::Widen(ws.g + s * padded, g, dim);
@@ -274,26 +271,26 @@ void Phase1Backward(const PhaseInfo& info, void* scratch, void* partials, int64_
     for (int64_t i = 0; i < N; ++i) ws.b[i] = 0;
     for (int64_t s = 0; s < S; ++s) {
       Phase1Weights(ws, s, N);
-      const A* lse_grad = p.grad_query_lses != nullptr
-                              ? static_cast<const A*>(p.grad_query_lses[s])
+      const A* lse_grad = info.grad_query_lses != nullptr
+                              ? static_cast<const A*>(info.grad_query_lses[s])
                               : nullptr;
       const A e = lse_grad != nullptr ? lse_grad[t] : A(0);
       A* dz = ws.dz + s * N;  // dot(g_s, v_i) in, dz_{s,i} out
       math::SoftmaxBackward(ws.a + s * N, dz, N, e, dz);
       for (int64_t i = 0; i < N; ++i) {
         const math::KeyChain<A> chain =
-            math::KeyGradient(ws.z[s * N + i], ws.r[i], scale, dim, p.rmsnorm != 0);
+            math::KeyGradient(ws.z[s * N + i], ws.r[i], scale, dim, info.rmsnorm != 0);
         ws.b[i] += dz[i] * chain.b;
         dz[i] *= chain.a;  // c_{s,i}
       }
     }
-    if (p.grad_blocks != nullptr) {
+    if (info.grad_blocks != nullptr) {
       for (int64_t i = 0; i < N; ++i) {
-        ws.dv[i] = p.grad_blocks[i] != nullptr
-                       ? static_cast<T*>(p.grad_blocks[i]) + t * p.grad_source_row_stride
+        ws.dv[i] = info.grad_blocks[i] != nullptr
+                       ? static_cast<T*>(info.grad_blocks[i]) + t * info.grad_source_row_stride
                        : nullptr;
       }
-      const auto grads = p.accumulate_grads ? R::template SourceGrads<true>
+      const auto grads = info.accumulate_grads ? R::template SourceGrads<true>
                                             : R::template SourceGrads<false>;
       grads(ws.dv, ws.src, ws.b, ws.rows + S, ws.rows, ws.a, ws.dz, S, N, dim);
     }
@@ -312,16 +309,15 @@ struct MergeToken {
   A beta = 1, z = 0, r = 1;
 
   MergeToken(const PhaseInfo& info, int64_t t) {
-    const PhaseInfo& pr = info;
-    o = RowOf<T>(pr.query_out, t, pr.source_row_stride);
-    p = pr.partial != nullptr ? RowOf<T>(pr.partial, t, pr.source_row_stride) : nullptr;
+    o = RowOf<T>(info.query_out, t, info.source_row_stride);
+    p = info.partial != nullptr ? RowOf<T>(info.partial, t, info.source_row_stride) : nullptr;
     if (p == nullptr) return;
     const A* wg = static_cast<const A*>(info.wg);
     A sum_sq = 0, dot = 0;
-    PhaseRow<T>::Dots(p, &wg, 1, pr.dim, &sum_sq, &dot);
-    r = pr.rmsnorm ? math::Rms(sum_sq, pr.dim, static_cast<A>(pr.eps)) : A(1);
-    z = static_cast<A>(pr.scale) * (dot / r);
-    beta = math::MergeWeight(static_cast<const A*>(pr.query_lse)[t], z);
+    PhaseRow<T>::Dots(p, &wg, 1, info.dim, &sum_sq, &dot);
+    r = info.rmsnorm ? math::Rms(sum_sq, info.dim, static_cast<A>(info.eps)) : A(1);
+    z = static_cast<A>(info.scale) * (dot / r);
+    beta = math::MergeWeight(static_cast<const A*>(info.query_lse)[t], z);
   }
 
   // h over the pair of vectors at d.
@@ -342,14 +338,13 @@ void Phase2Forward(const PhaseInfo& info, void*, void*, int64_t begin, int64_t e
   using R = Row<T>;
   using A = typename R::A;
   using V = typename R::V;
-  const PhaseInfo& p = info;
-  const int64_t dim = p.dim, kLanes = R::kLanes;
+  const int64_t dim = info.dim, kLanes = R::kLanes;
   const A* nw = static_cast<const A*>(info.norm_weight);
   for (int64_t t = begin; t < end; ++t) {
     const MergeToken<T> tok(info, t);
-    T* out = static_cast<T*>(p.out) + t * p.out_row_stride;
+    T* out = static_cast<T*>(info.out) + t * info.out_row_stride;
     V scale = R::Splat(A(1));
-    if (p.input_norm) {
+    if (info.input_norm) {
       V sq0{}, sq1{};
       for (int64_t d = 0; d < dim; d += R::kPair) {
         V lo, hi;
@@ -357,12 +352,12 @@ void Phase2Forward(const PhaseInfo& info, void*, void*, int64_t begin, int64_t e
         sq0 += lo * lo;
         sq1 += hi * hi;
       }
-      scale = R::Splat(A(1) / math::Rms(R::Sum(sq0 + sq1), dim, static_cast<A>(p.norm_eps)));
+      scale = R::Splat(A(1) / math::Rms(R::Sum(sq0 + sq1), dim, static_cast<A>(info.norm_eps)));
     }
     for (int64_t d = 0; d < dim; d += R::kPair) {
       V lo, hi;
       tok.H(d, dim, lo, hi);
-      if (p.input_norm) {
+      if (info.input_norm) {
         lo = lo * scale * R::LoadA(nw + d);
         hi = hi * scale * R::LoadA(nw + d + kLanes);
       }
@@ -381,25 +376,24 @@ void Phase2Backward(const PhaseInfo& info, void*, void* partials, int64_t begin,
   using R = Row<T>;
   using A = typename R::A;
   using V = typename R::V;
-  const PhaseInfo& p = info;
-  const int64_t dim = p.dim, kLanes = R::kLanes, padded = info.padded_dim;
+  const int64_t dim = info.dim, kLanes = R::kLanes, padded = info.padded_dim;
   const A* nw = static_cast<const A*>(info.norm_weight);
   const A* wg = static_cast<const A*>(info.wg);
   A* u_sum = partials != nullptr ? static_cast<A*>(partials) : nullptr;
   A* nw_sum = partials != nullptr ? static_cast<A*>(partials) + padded : nullptr;
   for (int64_t t = begin; t < end; ++t) {
     const MergeToken<T> tok(info, t);
-    const T* g = RowOf<T>(p.grad_out, t, p.grad_out_row_stride);
+    const T* g = RowOf<T>(info.grad_out, t, info.grad_out_row_stride);
     // dh over the pair at d, given h there.
     A inv_r = 1, proj = 0;  // 1 / r_h and dot(g nw, h') / dim
     const auto dh = [&](int64_t d, V h_lo, V h_hi, V& lo, V& hi) {
       R::Load2(g + d, dim - d, lo, hi);
-      if (!p.input_norm) return;
+      if (!info.input_norm) return;
       const V vi = R::Splat(inv_r), vproj = R::Splat(proj);
       lo = (lo * R::LoadA(nw + d) - h_lo * vi * vproj) * vi;
       hi = (hi * R::LoadA(nw + d + kLanes) - h_hi * vi * vproj) * vi;
     };
-    if (p.input_norm) {
+    if (info.input_norm) {
       V sq0{}, sq1{}, gh0{}, gh1{};
       for (int64_t d = 0; d < dim; d += R::kPair) {
         V lo, hi, g_lo, g_hi;
@@ -410,13 +404,13 @@ void Phase2Backward(const PhaseInfo& info, void*, void* partials, int64_t begin,
         gh0 += g_lo * R::LoadA(nw + d) * lo;
         gh1 += g_hi * R::LoadA(nw + d + kLanes) * hi;
       }
-      inv_r = A(1) / math::Rms(R::Sum(sq0 + sq1), dim, static_cast<A>(p.norm_eps));
+      inv_r = A(1) / math::Rms(R::Sum(sq0 + sq1), dim, static_cast<A>(info.norm_eps));
       proj = R::Sum(gh0 + gh1) * inv_r / static_cast<A>(dim);
     }
     // do = beta dh, dbeta = dot(dh, o - p), dnorm_weight += g h'.
     V db0{}, db1{};
-    T* grad_o = p.grad_query_out != nullptr
-                    ? static_cast<T*>(p.grad_query_out) + t * p.grad_source_row_stride
+    T* grad_o = info.grad_query_out != nullptr
+                    ? static_cast<T*>(info.grad_query_out) + t * info.grad_source_row_stride
                     : nullptr;
     const V vbeta = R::Splat(tok.beta);
     for (int64_t d = 0; d < dim; d += R::kPair) {
@@ -431,7 +425,7 @@ void Phase2Backward(const PhaseInfo& info, void*, void* partials, int64_t begin,
         db1 += hi * (o_hi - p_hi);
       }
       if (grad_o != nullptr) R::Store2(grad_o + d, vbeta * lo, vbeta * hi, dim - d);
-      if (p.input_norm && nw_sum != nullptr) {
+      if (info.input_norm && nw_sum != nullptr) {
         V g_lo, g_hi;
         R::Load2(g + d, dim - d, g_lo, g_hi);
         const V vi = R::Splat(inv_r);
@@ -441,15 +435,15 @@ void Phase2Backward(const PhaseInfo& info, void*, void* partials, int64_t begin,
     }
     const A beta = tok.beta;
     const A dlse = tok.p != nullptr ? R::Sum(db0 + db1) * beta * (A(1) - beta) : A(0);
-    if (p.grad_query_lse != nullptr) static_cast<A*>(p.grad_query_lse)[t] = dlse;
-    if (tok.p == nullptr || (p.grad_partial == nullptr && u_sum == nullptr)) continue;
+    if (info.grad_query_lse != nullptr) static_cast<A*>(info.grad_query_lse)[t] = dlse;
+    if (tok.p == nullptr || (info.grad_partial == nullptr && u_sum == nullptr)) continue;
     // dp and U.
     const math::KeyChain<A> chain =
-        math::KeyGradient(tok.z, tok.r, static_cast<A>(p.scale), dim, p.rmsnorm != 0);
+        math::KeyGradient(tok.z, tok.r, static_cast<A>(info.scale), dim, info.rmsnorm != 0);
     const V vc = R::Splat(-dlse * chain.a), vb = R::Splat(-dlse * chain.b);
     const V vkeep = R::Splat(A(1) - beta);
-    T* grad_p = p.grad_partial != nullptr
-                    ? static_cast<T*>(p.grad_partial) + t * p.grad_source_row_stride
+    T* grad_p = info.grad_partial != nullptr
+                    ? static_cast<T*>(info.grad_partial) + t * info.grad_source_row_stride
                     : nullptr;
     for (int64_t d = 0; d < dim; d += R::kPair) {
       V p_lo, p_hi;
@@ -460,7 +454,7 @@ void Phase2Backward(const PhaseInfo& info, void*, void* partials, int64_t begin,
       }
       if (grad_p == nullptr) continue;
       V h_lo{}, h_hi{}, lo, hi;
-      if (p.input_norm) tok.H(d, dim, h_lo, h_hi);
+      if (info.input_norm) tok.H(d, dim, h_lo, h_hi);
       dh(d, h_lo, h_hi, lo, hi);
       lo = vkeep * lo + vc * R::LoadA(wg + d) + vb * p_lo;
       hi = vkeep * hi + vc * R::LoadA(wg + d + kLanes) + vb * p_hi;
