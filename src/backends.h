@@ -20,6 +20,16 @@ inline int64_t ElementBytes(int32_t dtype) {
   return dtype == ATTNRES_DTYPE_FLOAT64 ? 8 : dtype == ATTNRES_DTYPE_FLOAT32 ? 4 : 2;
 }
 inline int64_t AccumBytes(int32_t dtype) { return dtype == ATTNRES_DTYPE_FLOAT64 ? 8 : 4; }
+// "f32", "f64", "bf16", "f16" (messages, kernel names, tools).
+inline const char* DtypeName(int32_t dtype) {
+  switch (dtype) {
+    case ATTNRES_DTYPE_FLOAT32: return "f32";
+    case ATTNRES_DTYPE_FLOAT64: return "f64";
+    case ATTNRES_DTYPE_BFLOAT16: return "bf16";
+    case ATTNRES_DTYPE_FLOAT16: return "f16";
+  }
+  return "?";
+}
 
 // Records the message returned by attnres_last_error() on this thread and
 // passes `status` through, so that backends can `return Fail(...)`.

@@ -192,8 +192,11 @@ int64_t KernelRowIndex(const KernelTable& table, int32_t dtype, int64_t d) {
 // sequential. The product of two floats rounded to float is the float product, so
 // these are the bits of the double-precision form.
 template <typename T, typename Acc>
-void StoreWeightRowAs(const KernelTable& table, int32_t dtype, const T* w, const T* gamma,
-                      int64_t dim, int64_t padded, Acc* row) {
+void StoreWeightRowAs(const KernelTable& table, int32_t dtype, const void* weight,
+                      const void* gamma_or_null, int64_t dim, int64_t padded, void* out) {
+  const T* w = static_cast<const T*>(weight);
+  const T* gamma = static_cast<const T*>(gamma_or_null);
+  Acc* row = static_cast<Acc*>(out);
   const auto acc = [](T x) -> Acc {
     if constexpr (std::is_same_v<T, Bf16> || std::is_same_v<T, F16>) {
       return ToFloat(x);
@@ -229,21 +232,13 @@ void StoreWeightRow(const KernelTable& table, int32_t dtype, const void* w, cons
                     int64_t dim, int64_t padded, void* row) {
   switch (dtype) {
     case ATTNRES_DTYPE_FLOAT64:
-      return StoreWeightRowAs(table, dtype, static_cast<const double*>(w),
-                              static_cast<const double*>(gamma), dim, padded,
-                              static_cast<double*>(row));
+      return StoreWeightRowAs<double, double>(table, dtype, w, gamma, dim, padded, row);
     case ATTNRES_DTYPE_FLOAT32:
-      return StoreWeightRowAs(table, dtype, static_cast<const float*>(w),
-                              static_cast<const float*>(gamma), dim, padded,
-                              static_cast<float*>(row));
+      return StoreWeightRowAs<float, float>(table, dtype, w, gamma, dim, padded, row);
     case ATTNRES_DTYPE_BFLOAT16:
-      return StoreWeightRowAs(table, dtype, static_cast<const Bf16*>(w),
-                              static_cast<const Bf16*>(gamma), dim, padded,
-                              static_cast<float*>(row));
+      return StoreWeightRowAs<Bf16, float>(table, dtype, w, gamma, dim, padded, row);
     case ATTNRES_DTYPE_FLOAT16:
-      return StoreWeightRowAs(table, dtype, static_cast<const F16*>(w),
-                              static_cast<const F16*>(gamma), dim, padded,
-                              static_cast<float*>(row));
+      return StoreWeightRowAs<F16, float>(table, dtype, w, gamma, dim, padded, row);
   }
 }
 

@@ -80,16 +80,6 @@ __global__ void __launch_bounds__(kPointersPerLaunch)
 
 }  // namespace
 
-const char* DtypeName(int32_t dtype) {
-  switch (dtype) {
-    case ATTNRES_DTYPE_FLOAT32: return "f32";
-    case ATTNRES_DTYPE_FLOAT64: return "f64";
-    case ATTNRES_DTYPE_BFLOAT16: return "bf16";
-    case ATTNRES_DTYPE_FLOAT16: return "f16";
-  }
-  return "?";
-}
-
 attnres_status CudaFailure(const std::string& what, cudaError_t err) {
   attnres_status status = ATTNRES_ERROR_DEVICE_FAILURE;
   std::string hint;

@@ -27,9 +27,6 @@ namespace attnres::cuda {
 // this GPU) with "<what> failed: <CUDA error name> (<CUDA error text>)".
 attnres_status CudaFailure(const std::string& what, cudaError_t err);
 
-// "f32", "f64", "bf16", "f16": the dtype in kernel names of messages.
-const char* DtypeName(int32_t dtype);
-
 // Checks the launch just enqueued (configuration errors, and sticky errors of
 // earlier work on the device).
 attnres_status CheckLaunch(const std::string& kernel);

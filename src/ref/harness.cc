@@ -5,6 +5,8 @@
 #include <cstring>
 #include <sstream>
 
+#include "backends.h"
+
 namespace attnres::harness {
 namespace {
 
@@ -90,15 +92,7 @@ double BackwardTolerance(attnres_dtype dtype) {
   }
 }
 
-const char* DtypeName(attnres_dtype dtype) {
-  switch (dtype) {
-    case ATTNRES_DTYPE_FLOAT32: return "f32";
-    case ATTNRES_DTYPE_FLOAT64: return "f64";
-    case ATTNRES_DTYPE_BFLOAT16: return "bf16";
-    case ATTNRES_DTYPE_FLOAT16: return "f16";
-  }
-  return "?";
-}
+const char* DtypeName(attnres_dtype dtype) { return attnres::DtypeName(dtype); }
 
 bool ParseDtype(const std::string& name, attnres_dtype* dtype) {
   for (attnres_dtype d : {ATTNRES_DTYPE_FLOAT32, ATTNRES_DTYPE_FLOAT64, ATTNRES_DTYPE_BFLOAT16,
@@ -108,9 +102,7 @@ bool ParseDtype(const std::string& name, attnres_dtype* dtype) {
   return false;
 }
 
-int64_t ElementBytes(attnres_dtype dtype) {
-  return dtype == ATTNRES_DTYPE_FLOAT64 ? 8 : dtype == ATTNRES_DTYPE_FLOAT32 ? 4 : 2;
-}
+int64_t ElementBytes(attnres_dtype dtype) { return attnres::ElementBytes(dtype); }
 
 namespace {
 
