@@ -253,7 +253,6 @@ void AddColumn(Validator& v, const attnres_params* p, const void* column, Name n
   v.AddRows(column, p->num_tokens, 1, 1, AccumBytes(p->dtype), name, is_output);
 }
 
-
 // Phase 1: N >= 1 blocks, no partial block, S queries.
 void ValidatePhase1Inputs(Validator& v, const attnres_params* p) {
   ValidateHeader(v, p);
