@@ -442,9 +442,9 @@ const char* attnres_cpu_isas(void) { return attnres::cpu::RunnableIsaNames(); }
 attnres_status attnres_set_cpu_isa(const char* name) {
   if (attnres::cpu::SetIsa(name)) return ATTNRES_OK;
   return attnres::Fail(ATTNRES_ERROR_INVALID_ARGUMENT,
-                       std::string("attnres_set_cpu_isa: name must be a compiled-in variant (") +
-                           attnres::cpu::CompiledIsaNames() +
-                           ") that this CPU supports, got \"" + name + "\"");
+                       std::string("attnres_set_cpu_isa: name must be a variant compiled in "
+                                   "that this CPU runs (") +
+                           attnres::cpu::RunnableIsaNames() + "), got \"" + name + "\"");
 }
 
 void attnres_params_init(attnres_params* params) {

@@ -47,8 +47,7 @@ namespace cpu {
 int GetNumThreads();
 void SetNumThreads(int n);  // n <= 0: the default
 bool SetIsa(const char* name);  // nullptr: the best for this CPU
-std::string CompiledIsaNames();
-const char* RunnableIsaNames();  // attnres_cpu_isas()
+const char* RunnableIsaNames();  // attnres_cpu_isas(): what SetIsa accepts, best first
 }  // namespace cpu
 
 // Implemented in src/cuda/ when built with ATTNRES_CUDA; src/abi.cc reports

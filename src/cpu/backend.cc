@@ -449,12 +449,6 @@ bool SetIsa(const char* name) {
   return true;
 }
 
-std::string CompiledIsaNames() {
-  std::string names;
-  for (const KernelTable* t : CompiledTables()) names += (names.empty() ? "" : ", ") + std::string(t->name);
-  return names;
-}
-
 const char* RunnableIsaNames() {
   static const std::string names = [] {
     std::string list;
