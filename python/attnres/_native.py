@@ -33,51 +33,35 @@ _ERRORS = {1: ValueError, 2: ValueError, 3: ValueError, 4: ValueError, 5: Memory
            6: RuntimeError, 7: RuntimeError, 8: RuntimeError}
 
 
+_I32, _I64, _F64 = ctypes.c_int32, ctypes.c_int64, ctypes.c_double
+_PTR, _PTRS = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+
+
 class _Params(ctypes.Structure):
-    """Mirror of attnres_params; field order and types must match the header."""
+    """Mirror of attnres_params, grouped as in the header; field order and types must
+    match it (checked against the library's own layout at import)."""
 
     _fields_ = [
-        ("abi_version", ctypes.c_int32),
-        ("num_tokens", ctypes.c_int64),
-        ("dim", ctypes.c_int64),
-        ("num_blocks", ctypes.c_int64),
-        ("dtype", ctypes.c_int32),
-        ("device", ctypes.c_int32),
-        ("stream", ctypes.c_void_p),
-        ("blocks", ctypes.POINTER(ctypes.c_void_p)),
-        ("partial", ctypes.c_void_p),
-        ("source_row_stride", ctypes.c_int64),
-        ("proj_weight", ctypes.c_void_p),
-        ("gamma", ctypes.c_void_p),
-        ("scale", ctypes.c_double),
-        ("eps", ctypes.c_double),
-        ("rmsnorm", ctypes.c_int32),
-        ("out", ctypes.c_void_p),
-        ("out_row_stride", ctypes.c_int64),
-        ("rms_cache", ctypes.c_void_p),
-        ("alpha_cache", ctypes.c_void_p),
-        ("grad_out", ctypes.c_void_p),
-        ("grad_out_row_stride", ctypes.c_int64),
-        ("grad_blocks", ctypes.POINTER(ctypes.c_void_p)),
-        ("grad_partial", ctypes.c_void_p),
-        ("grad_source_row_stride", ctypes.c_int64),
-        ("grad_proj_weight", ctypes.c_void_p),
-        ("grad_gamma", ctypes.c_void_p),
+        ("abi_version", _I32),
+        # Sizes.
+        ("num_tokens", _I64), ("dim", _I64), ("num_blocks", _I64), ("dtype", _I32),
+        ("device", _I32), ("stream", _PTR),
+        # Inputs.
+        ("blocks", _PTRS), ("partial", _PTR), ("source_row_stride", _I64),
+        ("proj_weight", _PTR), ("gamma", _PTR), ("scale", _F64), ("eps", _F64),
+        ("rmsnorm", _I32),
+        # Forward outputs.
+        ("out", _PTR), ("out_row_stride", _I64), ("rms_cache", _PTR), ("alpha_cache", _PTR),
+        # Backward.
+        ("grad_out", _PTR), ("grad_out_row_stride", _I64), ("grad_blocks", _PTRS),
+        ("grad_partial", _PTR), ("grad_source_row_stride", _I64),
+        ("grad_proj_weight", _PTR), ("grad_gamma", _PTR),
         # ABI 2: the two-phase schedule.
-        ("num_queries", ctypes.c_int64),
-        ("query_outs", ctypes.POINTER(ctypes.c_void_p)),
-        ("query_lses", ctypes.POINTER(ctypes.c_void_p)),
-        ("grad_query_outs", ctypes.POINTER(ctypes.c_void_p)),
-        ("grad_query_lses", ctypes.POINTER(ctypes.c_void_p)),
-        ("accumulate_grads", ctypes.c_int32),
-        ("query_out", ctypes.c_void_p),
-        ("query_lse", ctypes.c_void_p),
-        ("grad_query_out", ctypes.c_void_p),
-        ("grad_query_lse", ctypes.c_void_p),
-        ("input_norm", ctypes.c_int32),
-        ("norm_eps", ctypes.c_double),
-        ("norm_weight", ctypes.c_void_p),
-        ("grad_norm_weight", ctypes.c_void_p),
+        ("num_queries", _I64), ("query_outs", _PTRS), ("query_lses", _PTRS),
+        ("grad_query_outs", _PTRS), ("grad_query_lses", _PTRS), ("accumulate_grads", _I32),
+        ("query_out", _PTR), ("query_lse", _PTR), ("grad_query_out", _PTR),
+        ("grad_query_lse", _PTR), ("input_norm", _I32), ("norm_eps", _F64),
+        ("norm_weight", _PTR), ("grad_norm_weight", _PTR),
     ]
 
 
@@ -489,6 +473,16 @@ def _forward_plain(plain, has_partial: bool, proj_weight: torch.Tensor,
     return out
 
 
+def _sources(function: str, blocks, partial, proj_weight, gamma, scale: float, eps: float,
+             validated: bool):
+    """``(sources, dim, dtype)`` with sources ``[*blocks, partial]``, running the
+    validator unless the caller has (`validated`)."""
+    if not validated:
+        return _validate.inputs(function, blocks, partial, proj_weight, gamma, scale, eps)
+    sources = [*blocks, partial] if partial is not None else blocks
+    return sources, sources[0].shape[-1], sources[0].dtype
+
+
 def forward(blocks: Sequence[torch.Tensor], partial: Optional[torch.Tensor],
             proj_weight: torch.Tensor, gamma: Optional[torch.Tensor], *, scale: float,
             eps: float, rmsnorm: bool, want_rms: bool = False, want_alpha: bool = False,
@@ -507,13 +501,9 @@ def forward(blocks: Sequence[torch.Tensor], partial: Optional[torch.Tensor],
             return _forward_plain(_plain, partial is not None, proj_weight,
                                   gamma if rmsnorm else None, scale, eps, rmsnorm), None, None
         _validated = True
-    if _validated:
-        sources = [*blocks, partial] if partial is not None else blocks
-        first = sources[0]
-        dim, dtype = first.shape[-1], first.dtype
-    else:
-        sources, dim, dtype = _validate.inputs(function, blocks, partial, proj_weight, gamma,
-                                               scale, eps)
+    sources, dim, dtype = _sources(function, blocks, partial, proj_weight, gamma, scale, eps,
+                                   _validated)
+    if not _validated:
         if want_rms and not rmsnorm:
             raise _validate.error(function, "want_rms", "False when rmsnorm=False (there is "
                                   "no rms to cache)", "True")
@@ -576,13 +566,9 @@ def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
     gamma contiguous.
     """
     rms_cache = rms_cache if rmsnorm else None
-    if _validated:
-        sources = [*blocks, partial] if partial is not None else blocks
-        first = sources[0]
-        dim, dtype = first.shape[-1], first.dtype
-    else:
-        sources, dim, dtype = _validate.inputs(function, blocks, partial, proj_weight, gamma,
-                                               scale, eps)
+    sources, dim, dtype = _sources(function, blocks, partial, proj_weight, gamma, scale, eps,
+                                   _validated)
+    if not _validated:
         _validate.grad_out(function, "grad_out", grad_out, sources[0])
         cache_shape = tuple(sources[0].shape[:-1]) + (len(sources),)
         for name, cache in (("rms_cache", rms_cache), ("alpha_cache", alpha_cache)):

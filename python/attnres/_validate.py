@@ -167,42 +167,65 @@ _any_requires_grad = torch._C._any_requires_grad
 _isfinite = math.isfinite
 
 
+def _plain_head(t: object) -> Optional[tuple]:
+    """``(dtype, shape, device)`` of a plain (torch.Tensor or nn.Parameter), strided
+    tensor of a supported dtype with at least one dimension, on the CPU (device None)
+    or a CUDA device; None for anything else."""
+    if t.__class__ not in _PLAIN or t.layout is not _STRIDED:
+        return None
+    dtype, shape = t.dtype, t.shape
+    if dtype not in _SUPPORTED or not shape:
+        return None
+    if t.is_cpu:
+        return dtype, shape, None
+    return (dtype, shape, t.device) if t.is_cuda else None
+
+
+def _fold_alike(contiguous: bool, dtype, device, shape, required: object,
+                *optional: object) -> Optional[bool]:
+    """Whether `contiguous` still holds after the tensors `required` and `optional`
+    (None skipped): None unless each is plain, strided, of `dtype` and `shape`, on
+    `device` (None: the CPU)."""
+    for t in (required, *optional):
+        if t is None and t is not required:
+            continue
+        if (t.__class__ not in _PLAIN or t.dtype is not dtype or t.layout is not _STRIDED
+                or not (t.is_cpu if device is None else t.device == device)
+                or t.shape != shape):
+            return None
+        if contiguous and not t.is_contiguous():
+            contiguous = False
+    return contiguous
+
+
 def _plain_rows(sources: Sequence) -> Optional[tuple]:
-    """The one pass of the fast path over its row tensors (non-empty): plain
-    (torch.Tensor or nn.Parameter), strided, of one supported dtype and shape, on the
-    CPU or one CUDA device. Returns ``(pointers, contiguous, shape, dtype, on_cpu,
+    """The one pass of the fast path over its row tensors (non-empty): each like
+    _plain_head() of the first, alike. Returns ``(pointers, contiguous, shape, dtype,
     device)`` (device None on the CPU) or None."""
     first = sources[0]
-    if first.__class__ not in _PLAIN or first.layout is not _STRIDED:
-        return None
     try:
-        dtype, shape = first.dtype, first.shape
-        if dtype not in _SUPPORTED or not shape:
+        head = _plain_head(first)
+        if head is None:
             return None
-        on_cpu = first.is_cpu
-        if on_cpu:
-            device = None
-        elif first.is_cuda:
-            device = first.device
-        else:
-            return None
+        dtype, shape, device = head
         contiguous = first.is_contiguous()
         pointers = [first.data_ptr()]
         rest = iter(sources)
         next(rest)
-        # The same tests as for first, written out: this loop is the cost. The layout
-        # is not looked at: data_ptr() raises for every tensor without a strided
-        # storage (sparse, mkldnn), which leaves the fast path.
+        # _fold_alike() written out, without the layout test: this loop is the cost.
+        # data_ptr() raises for every tensor without a strided storage (sparse,
+        # mkldnn), which leaves the fast path.
         for t in rest:
             if (t.__class__ not in _PLAIN or t.dtype is not dtype
-                    or not (t.is_cpu if on_cpu else t.device == device) or t.shape != shape):
+                    or not (t.is_cpu if device is None else t.device == device)
+                    or t.shape != shape):
                 return None
             if contiguous and not t.is_contiguous():
                 contiguous = False
             pointers.append(t.data_ptr())
     except RuntimeError:  # no storage, or no shape (a nested tensor): the checks say what
         return None
-    return pointers, contiguous, shape, dtype, on_cpu, device
+    return pointers, contiguous, shape, dtype, device
 
 
 def plain_inputs(blocks: object, partial: object, w: object, gamma: object, scale: float,
@@ -228,14 +251,10 @@ def plain_inputs(blocks: object, partial: object, w: object, gamma: object, scal
     scan = _plain_rows(sources)
     if scan is None:
         return None
-    pointers, contiguous, shape, dtype, on_cpu, device = scan
-    vector = (shape[-1],)
-    for t in (w, gamma) if gamma is not None else (w,):
-        if (t.__class__ not in _PLAIN or t.dtype is not dtype or t.layout is not _STRIDED
-                or not (t.is_cpu if on_cpu else t.device == device) or t.shape != vector):
-            return None
-        if contiguous and not t.is_contiguous():
-            contiguous = False
+    pointers, contiguous, shape, dtype, device = scan
+    contiguous = _fold_alike(contiguous, dtype, device, (shape[-1],), w, gamma)
+    if contiguous is None:
+        return None
     requires_grad = grad and _any_requires_grad(*sources, w, gamma)
     return sources, pointers, contiguous, requires_grad, shape, dtype
 
@@ -250,20 +269,15 @@ def plain_phase1(blocks: object, w: object, gamma: object, eps: float, scale: fl
             _isfinite(scale) and _isfinite(eps) and eps >= 0):
         return None
     scan = _plain_rows(blocks)
-    if scan is None:
+    if scan is None or w.__class__ not in _PLAIN:
         return None
-    pointers, contiguous, shape, dtype, on_cpu, device = scan
-    if w.__class__ not in _PLAIN:
-        return None
+    pointers, contiguous, shape, dtype, device = scan
     queries = w.shape
     if len(queries) != 2 or queries[0] < 1 or queries[1] != shape[-1]:
         return None
-    for t in (w, gamma) if gamma is not None else (w,):
-        if (t.__class__ not in _PLAIN or t.dtype is not dtype or t.layout is not _STRIDED
-                or not (t.is_cpu if on_cpu else t.device == device) or t.shape != queries):
-            return None
-        if contiguous and not t.is_contiguous():
-            contiguous = False
+    contiguous = _fold_alike(contiguous, dtype, device, queries, w, gamma)
+    if contiguous is None:
+        return None
     blocks = list(blocks)
     requires_grad = grad and _any_requires_grad(*blocks, w, gamma)
     return blocks, pointers, contiguous, requires_grad, shape, dtype, queries[0]
@@ -280,40 +294,19 @@ def plain_phase2(out: object, lse: object, partial: object, w: object, gamma: ob
     if not (_isfinite(scale) and _isfinite(eps) and eps >= 0 and _isfinite(norm_eps)
             and norm_eps >= 0):
         return None
-    if out.__class__ not in _PLAIN or out.layout is not _STRIDED:
+    head = _plain_head(out)
+    if head is None:
         return None
-    dtype, shape = out.dtype, out.shape
-    if dtype not in _SUPPORTED or not shape:
+    dtype, shape, device = head
+    contiguous = _fold_alike(out.is_contiguous(), _ACCUMULATION[dtype], device, shape[:-1],
+                             lse)
+    if contiguous is not None and partial is not None:
+        contiguous = _fold_alike(contiguous, dtype, device, shape, partial)
+    if contiguous is not None:
+        contiguous = _fold_alike(contiguous, dtype, device, (shape[-1],), w, gamma,
+                                 norm_weight)
+    if contiguous is None:
         return None
-    on_cpu = out.is_cpu
-    if on_cpu:
-        device = None
-    elif out.is_cuda:
-        device = out.device
-    else:
-        return None
-    if (lse.__class__ not in _PLAIN or lse.dtype is not _ACCUMULATION[dtype]
-            or lse.layout is not _STRIDED or not (lse.is_cpu if on_cpu else lse.device == device)
-            or lse.shape != shape[:-1]):
-        return None
-    contiguous = out.is_contiguous() and lse.is_contiguous()
-    if partial is not None:
-        if (partial.__class__ not in _PLAIN or partial.dtype is not dtype
-                or partial.layout is not _STRIDED
-                or not (partial.is_cpu if on_cpu else partial.device == device)
-                or partial.shape != shape):
-            return None
-        if contiguous and not partial.is_contiguous():
-            contiguous = False
-    vector = (shape[-1],)
-    for t in (w, gamma, norm_weight):
-        if t is None and t is not w:
-            continue
-        if (t.__class__ not in _PLAIN or t.dtype is not dtype or t.layout is not _STRIDED
-                or not (t.is_cpu if on_cpu else t.device == device) or t.shape != vector):
-            return None
-        if contiguous and not t.is_contiguous():
-            contiguous = False
     requires_grad = grad and _any_requires_grad(out, lse, partial, w, gamma, norm_weight)
     return contiguous, requires_grad
 
