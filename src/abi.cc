@@ -92,6 +92,14 @@ class Validator {
     if (ok()) spans_.push_back({begin, begin + static_cast<uintptr_t>(bytes), name, is_output});
   }
 
+  // A [rows, stride] buffer the call must have: not NULL, stride >= cols, span recorded.
+  void RequiredRows(const void* p, int64_t rows, int64_t stride, int64_t cols, int64_t elem,
+                    const char* name, const char* stride_name, bool is_output) {
+    NotNull(p, name);
+    RowStride(stride, cols, stride_name);
+    AddRows(p, rows, stride, cols, elem, name, is_output);
+  }
+
   // No output may overlap an input or another output (inputs may share memory).
   // Sorted sweep: the span that ends last among earlier inputs/outputs is the one
   // a later span can overlap.
@@ -206,14 +214,21 @@ attnres_status ValidateForward(const attnres_params* p) {
   Validator v("attnres_forward");
   ValidateCommon(v, p);
   if (v.ok()) {
-    v.NotNull(p->out, "out");
-    v.RowStride(p->out_row_stride, p->dim, "out_row_stride");
-    v.AddRows(p->out, p->num_tokens, p->out_row_stride, p->dim, ElementBytes(p->dtype), "out",
-              true);
+    v.RequiredRows(p->out, p->num_tokens, p->out_row_stride, p->dim, ElementBytes(p->dtype),
+                   "out", "out_row_stride", true);
     AddCaches(v, p, /*are_outputs=*/true);
     v.NoOverlap();
   }
   return v.Finish();
+}
+
+// The upstream gradient of the single op and of phase 2, and grad_gamma only with
+// RMSNorm.
+void ValidateGradOut(Validator& v, const attnres_params* p) {
+  v.RequiredRows(p->grad_out, p->num_tokens, p->grad_out_row_stride, p->dim,
+                 ElementBytes(p->dtype), "grad_out", "grad_out_row_stride", false);
+  v.Check(p->grad_gamma == nullptr || p->rmsnorm, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "grad_gamma must be NULL when rmsnorm is 0 (gamma is not used)");
 }
 
 attnres_status ValidateBackward(const attnres_params* p) {
@@ -221,10 +236,7 @@ attnres_status ValidateBackward(const attnres_params* p) {
   ValidateCommon(v, p);
   if (!v.ok()) return v.Finish();
   const int64_t elem = ElementBytes(p->dtype), rows = p->num_tokens, dim = p->dim;
-  v.NotNull(p->grad_out, "grad_out");
-  v.RowStride(p->grad_out_row_stride, dim, "grad_out_row_stride");
-  v.Check(p->grad_gamma == nullptr || p->rmsnorm, ATTNRES_ERROR_INVALID_ARGUMENT,
-          "grad_gamma must be NULL when rmsnorm is 0 (gamma is not used)");
+  ValidateGradOut(v, p);
   bool any_source_grad = p->grad_partial != nullptr && p->partial != nullptr;
   for (int64_t i = 0; p->grad_blocks != nullptr && i < p->num_blocks; ++i) {
     any_source_grad |= p->grad_blocks[i] != nullptr;
@@ -232,7 +244,6 @@ attnres_status ValidateBackward(const attnres_params* p) {
   v.Check(p->grad_partial == nullptr || p->partial != nullptr, ATTNRES_ERROR_INVALID_ARGUMENT,
           "grad_partial must be NULL when there is no partial block");
   if (any_source_grad) v.RowStride(p->grad_source_row_stride, dim, "grad_source_row_stride");
-  v.AddRows(p->grad_out, rows, p->grad_out_row_stride, dim, elem, "grad_out", false);
   AddCaches(v, p, /*are_outputs=*/false);
   for (int64_t i = 0; p->grad_blocks != nullptr && i < p->num_blocks; ++i) {
     v.AddRows(p->grad_blocks[i], rows, p->grad_source_row_stride, dim, elem,
@@ -358,9 +369,8 @@ attnres_status ValidatePhase2Forward(const attnres_params* p) {
   Validator v("attnres_phase2_forward");
   ValidatePhase2Inputs(v, p);
   if (!v.ok()) return v.Finish();
-  v.NotNull(p->out, "out");
-  v.RowStride(p->out_row_stride, p->dim, "out_row_stride");
-  v.AddRows(p->out, p->num_tokens, p->out_row_stride, p->dim, ElementBytes(p->dtype), "out", true);
+  v.RequiredRows(p->out, p->num_tokens, p->out_row_stride, p->dim, ElementBytes(p->dtype), "out",
+                 "out_row_stride", true);
   v.NoOverlap();
   return v.Finish();
 }
@@ -370,18 +380,14 @@ attnres_status ValidatePhase2Backward(const attnres_params* p) {
   ValidatePhase2Inputs(v, p);
   if (!v.ok()) return v.Finish();
   const int64_t elem = ElementBytes(p->dtype), rows = p->num_tokens, dim = p->dim;
-  v.NotNull(p->grad_out, "grad_out");
-  v.RowStride(p->grad_out_row_stride, dim, "grad_out_row_stride");
+  ValidateGradOut(v, p);
   v.Check(p->grad_partial == nullptr || p->partial != nullptr, ATTNRES_ERROR_INVALID_ARGUMENT,
           "grad_partial must be NULL when there is no partial block");
-  v.Check(p->grad_gamma == nullptr || p->rmsnorm, ATTNRES_ERROR_INVALID_ARGUMENT,
-          "grad_gamma must be NULL when rmsnorm is 0 (gamma is not used)");
   v.Check(p->grad_norm_weight == nullptr || p->input_norm, ATTNRES_ERROR_INVALID_ARGUMENT,
           "grad_norm_weight must be NULL when input_norm is 0");
   if (p->grad_partial != nullptr || p->grad_query_out != nullptr) {
     v.RowStride(p->grad_source_row_stride, dim, "grad_source_row_stride");
   }
-  v.AddRows(p->grad_out, rows, p->grad_out_row_stride, dim, elem, "grad_out", false);
   v.AddRows(p->grad_query_out, rows, p->grad_source_row_stride, dim, elem, "grad_query_out", true);
   v.AddRows(p->grad_partial, rows, p->grad_source_row_stride, dim, elem, "grad_partial", true);
   AddColumn(v, p, p->grad_query_lse, "grad_query_lse", true);
