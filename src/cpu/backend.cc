@@ -278,39 +278,29 @@ void ParallelFor(int threads, int64_t n, const Fn& fn) {
   for (int64_t item = 0; item < n; ++item) fn(omp_get_thread_num(), item);
 }
 
+// What both ops' kernels read of the problem (kernel_table.h: RowsInfo); the
+// dispatcher fills padded_dim and wg.
+RowsInfo RowsProblem(const attnres_params& p) {
+  return RowsInfo{p.dim,       p.source_row_stride, p.out_row_stride, p.grad_out_row_stride,
+                  p.grad_source_row_stride, p.scale, p.eps, p.rmsnorm != 0,
+                  p.out,       p.grad_out,          /*padded_dim=*/0, /*wg=*/nullptr};
+}
+
 // What the single op's kernels read of the problem (kernel_table.h: CallInfo).
 CallInfo CallProblem(const attnres_params& p) {
-  CallInfo info{};
-  info.num_tokens = p.num_tokens;
-  info.dim = p.dim;
-  info.source_row_stride = p.source_row_stride;
-  info.scale = p.scale;
-  info.eps = p.eps;
-  info.rmsnorm = p.rmsnorm != 0;
-  info.out = p.out;
-  info.out_row_stride = p.out_row_stride;
-  info.rms_cache = p.rms_cache;
-  info.alpha_cache = p.alpha_cache;
-  info.grad_out = p.grad_out;
-  info.grad_out_row_stride = p.grad_out_row_stride;
-  info.grad_source_row_stride = p.grad_source_row_stride;
-  return info;
+  return CallInfo{RowsProblem(p), p.num_tokens, p.rms_cache, p.alpha_cache,
+                  // Prepared by Call::Prepare.
+                  /*num_sources=*/0, /*tile_tokens=*/0, /*sources=*/nullptr,
+                  /*grad_sources=*/nullptr, /*stream_stores=*/false};
 }
 
 // What the two-phase kernels read of the problem (kernel_table.h: PhaseInfo).
 PhaseInfo PhaseProblem(const attnres_params& p) {
   PhaseInfo info{};
-  info.dim = p.dim;
+  static_cast<RowsInfo&>(info) = RowsProblem(p);
   info.num_blocks = p.num_blocks;
   info.num_queries = p.num_queries;
-  info.source_row_stride = p.source_row_stride;
-  info.out_row_stride = p.out_row_stride;
-  info.grad_out_row_stride = p.grad_out_row_stride;
-  info.grad_source_row_stride = p.grad_source_row_stride;
-  info.scale = p.scale;
-  info.eps = p.eps;
   info.norm_eps = p.norm_eps;
-  info.rmsnorm = p.rmsnorm != 0;
   info.input_norm = p.input_norm != 0;
   info.accumulate_grads = p.accumulate_grads != 0;
   info.blocks = p.blocks;
@@ -322,8 +312,6 @@ PhaseInfo PhaseProblem(const attnres_params& p) {
   info.query_out = p.query_out;
   info.query_lse = p.query_lse;
   info.partial = p.partial;
-  info.out = p.out;
-  info.grad_out = p.grad_out;
   info.grad_query_out = p.grad_query_out;
   info.grad_query_lse = p.grad_query_lse;
   info.grad_partial = p.grad_partial;

@@ -19,28 +19,34 @@ namespace attnres::cpu {
 // Per-call constants, prepared once by the dispatcher. "A" below is the
 // accumulation type: float, or double for float64 inputs. Vectors of length
 // padded_dim are zero beyond dim so that kernels can run whole SIMD vectors.
-// The single op's kernels see only this (never attnres_params): the ABI may grow
+// The kernels see only these structs (never attnres_params): the ABI may grow
 // without touching them, and what a kernel reads is listed here.
-struct CallInfo {
-  // The problem, as validated by abi.cc: [num_tokens, dim] rows, strides in elements.
-  int64_t num_tokens, dim;
-  int64_t source_row_stride;
+//
+// What both ops read (field meanings as in attnres.h), as validated by abi.cc:
+// rows of dim elements, strides in elements.
+struct RowsInfo {
+  int64_t dim;
+  int64_t source_row_stride, out_row_stride, grad_out_row_stride, grad_source_row_stride;
   double scale, eps;
   bool rmsnorm;
-  void* out;                   // forward: h, and the optional caches (null: not wanted)
-  int64_t out_row_stride;
+  void* out;             // forward output: h
+  const void* grad_out;  // backward input: g = dLoss/dh
+  // Prepared by the dispatcher.
+  int64_t padded_dim;  // dim rounded up to two of the widest vectors (a pair)
+  const void* wg;      // A[padded_dim] rows: w * gamma (w when rmsnorm is off or gamma
+                       // is NULL); two-phase phase 1: one row per query
+};
+
+// The single op (block_attn_res.cc).
+struct CallInfo : RowsInfo {
+  int64_t num_tokens;
   void* rms_cache;             // [num_tokens, L] of A, forward output / backward input
-  void* alpha_cache;
-  const void* grad_out;        // backward: g
-  int64_t grad_out_row_stride;
-  int64_t grad_source_row_stride;
+  void* alpha_cache;           //   (null: not wanted / not given)
   // Prepared by the dispatcher.
   int64_t num_sources;         // L
-  int64_t padded_dim;          // dim rounded up to two of the widest vectors (a pair)
   int64_t tile_tokens;         // tokens per tile: pass 2 rereads the tile's rows from cache
   const void* const* sources;  // [L] blocks then partial
   void* const* grad_sources;   // [L] (backward; entries may be null)
-  const void* wg;              // A[padded_dim]: w * gamma (w when rmsnorm is off)
   bool stream_stores;          // write out / dv rows with non-temporal stores
 };
 
@@ -60,15 +66,12 @@ struct Scratch {
 using RangeFn = void (*)(const CallInfo& info, const Scratch& scratch, int64_t begin,
                          int64_t end);
 
-// The two-phase ops (two_phase.cc). Per-call constants, prepared by the dispatcher;
-// rows of A are padded with zeros to padded_dim and in the kernels' row order.
-// Like CallInfo, the kernels see only this, never attnres_params.
-struct PhaseInfo {
-  // The problem, as validated by abi.cc (field meanings as in attnres.h).
-  int64_t dim, num_blocks, num_queries;
-  int64_t source_row_stride, out_row_stride, grad_out_row_stride, grad_source_row_stride;
-  double scale, eps, norm_eps;
-  bool rmsnorm, input_norm, accumulate_grads;
+// The two-phase ops (two_phase.cc); rows of A are padded with zeros to padded_dim
+// and in the kernels' row order.
+struct PhaseInfo : RowsInfo {
+  int64_t num_blocks, num_queries;
+  double norm_eps;
+  bool input_norm, accumulate_grads;
   // Phase 1: the blocks, and per query its output and LSE (gradients backward).
   const void* const* blocks;
   void* const* query_outs;
@@ -80,15 +83,10 @@ struct PhaseInfo {
   const void* query_out;
   const void* query_lse;
   const void* partial;
-  void* out;
-  const void* grad_out;
   void* grad_query_out;
   void* grad_query_lse;
   void* grad_partial;
   // Prepared by the dispatcher.
-  int64_t padded_dim;
-  const void* wg;           // A[num_queries][padded_dim]: u_s = w_s * gamma_s (w_s when
-                            // rmsnorm is off or gamma is NULL); phase 2: one row
   const void* norm_weight;  // phase 2 with input_norm: A[padded_dim], ones for NULL
 };
 

@@ -54,23 +54,19 @@ typedef Half VecH __attribute__((vector_size(kVectorBytes / 2)));  // scalar_typ
 // scalars of its accumulation type A.
 template <typename T> struct Elem;
 
-template <> struct Elem<float> {
-  using A = float;
-  using V = VecF;
-  static V Load(const float* p) { V v; std::memcpy(&v, p, sizeof(v)); return v; }
-  static void Store(float* p, V v) { std::memcpy(p, &v, sizeof(v)); }
-  static void Load2(const float* p, V& lo, V& hi) { lo = Load(p); hi = Load(p + sizeof(V) / sizeof(float)); }
-  static void Store2(float* p, V lo, V hi) { Store(p, lo); Store(p + sizeof(V) / sizeof(float), hi); }
+// float and double are their own accumulation type: loads and stores are copies.
+template <typename T, typename Vec>
+struct SameTypeElem {
+  using A = T;
+  using V = Vec;
+  static constexpr int kLanes = sizeof(V) / sizeof(T);
+  static V Load(const T* p) { V v; std::memcpy(&v, p, sizeof(v)); return v; }
+  static void Store(T* p, V v) { std::memcpy(p, &v, sizeof(v)); }
+  static void Load2(const T* p, V& lo, V& hi) { lo = Load(p); hi = Load(p + kLanes); }
+  static void Store2(T* p, V lo, V hi) { Store(p, lo); Store(p + kLanes, hi); }
 };
-
-template <> struct Elem<double> {
-  using A = double;
-  using V = VecD;
-  static V Load(const double* p) { V v; std::memcpy(&v, p, sizeof(v)); return v; }
-  static void Store(double* p, V v) { std::memcpy(p, &v, sizeof(v)); }
-  static void Load2(const double* p, V& lo, V& hi) { lo = Load(p); hi = Load(p + sizeof(V) / sizeof(double)); }
-  static void Store2(double* p, V lo, V hi) { Store(p, lo); Store(p + sizeof(V) / sizeof(double), hi); }
-};
+template <> struct Elem<float> : SameTypeElem<float, VecF> {};
+template <> struct Elem<double> : SameTypeElem<double, VecD> {};
 
 // bfloat16 is the top half of a float: widening puts its bits in the top half of a
 // 32-bit lane; narrowing rounds to nearest even and keeps NaN a (quiet) NaN and
