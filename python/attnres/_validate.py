@@ -181,14 +181,10 @@ def _plain_head(t: object) -> Optional[tuple]:
     return (dtype, shape, t.device) if t.is_cuda else None
 
 
-def _fold_alike(contiguous: bool, dtype, device, shape, required: object,
-                *optional: object) -> Optional[bool]:
-    """Whether `contiguous` still holds after the tensors `required` and `optional`
-    (None skipped): None unless each is plain, strided, of `dtype` and `shape`, on
-    `device` (None: the CPU)."""
-    for t in (required, *optional):
-        if t is None and t is not required:
-            continue
+def _fold_alike(contiguous: bool, dtype, device, shape, tensors: tuple) -> Optional[bool]:
+    """Whether `contiguous` still holds after `tensors`: None unless each is plain,
+    strided, of `dtype` and `shape`, on `device` (None: the CPU)."""
+    for t in tensors:
         if (t.__class__ not in _PLAIN or t.dtype is not dtype or t.layout is not _STRIDED
                 or not (t.is_cpu if device is None else t.device == device)
                 or t.shape != shape):
@@ -252,7 +248,8 @@ def plain_inputs(blocks: object, partial: object, w: object, gamma: object, scal
     if scan is None:
         return None
     pointers, contiguous, shape, dtype, device = scan
-    contiguous = _fold_alike(contiguous, dtype, device, (shape[-1],), w, gamma)
+    contiguous = _fold_alike(contiguous, dtype, device, (shape[-1],),
+                             (w, gamma) if gamma is not None else (w,))
     if contiguous is None:
         return None
     requires_grad = grad and _any_requires_grad(*sources, w, gamma)
@@ -275,7 +272,8 @@ def plain_phase1(blocks: object, w: object, gamma: object, eps: float, scale: fl
     queries = w.shape
     if len(queries) != 2 or queries[0] < 1 or queries[1] != shape[-1]:
         return None
-    contiguous = _fold_alike(contiguous, dtype, device, queries, w, gamma)
+    contiguous = _fold_alike(contiguous, dtype, device, queries,
+                             (w, gamma) if gamma is not None else (w,))
     if contiguous is None:
         return None
     blocks = list(blocks)
@@ -299,12 +297,12 @@ def plain_phase2(out: object, lse: object, partial: object, w: object, gamma: ob
         return None
     dtype, shape, device = head
     contiguous = _fold_alike(out.is_contiguous(), _ACCUMULATION[dtype], device, shape[:-1],
-                             lse)
+                             (lse,))
     if contiguous is not None and partial is not None:
-        contiguous = _fold_alike(contiguous, dtype, device, shape, partial)
+        contiguous = _fold_alike(contiguous, dtype, device, shape, (partial,))
     if contiguous is not None:
-        contiguous = _fold_alike(contiguous, dtype, device, (shape[-1],), w, gamma,
-                                 norm_weight)
+        contiguous = _fold_alike(contiguous, dtype, device, (shape[-1],),
+                                 (w, *(t for t in (gamma, norm_weight) if t is not None)))
     if contiguous is None:
         return None
     requires_grad = grad and _any_requires_grad(out, lse, partial, w, gamma, norm_weight)
