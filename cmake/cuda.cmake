@@ -51,7 +51,8 @@ target_link_libraries(attnres PRIVATE CUDA::cudart_static)
 message(STATUS "attnres: CUDA backend on, architectures ${ATTNRES_CUDA_ARCHITECTURES}")
 
 if(TARGET attnres_tests)
-  # tests/cpp/test_cuda.cc allocates device buffers itself.
+  # The tests allocate device buffers themselves (tests/cpp/test_util.cc: the device
+  # twins of AbiProblem, on which the property tests also run on CUDA).
   target_compile_definitions(attnres_tests PRIVATE ATTNRES_WITH_CUDA=1)
   target_link_libraries(attnres_tests PRIVATE CUDA::cudart_static)
 endif()

@@ -71,44 +71,6 @@ TEST(CudaTwoPhase, NeedsTheCudaBuild) {
 
 #else
 
-std::string CudaRuntimeStatus() {
-  int count = 0, driver = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
-  cudaDriverGetVersion(&driver);
-  cudaGetLastError();
-  return std::string("cudaGetDeviceCount: ") + cudaGetErrorName(err) + " (" +
-         cudaGetErrorString(err) + "), " + std::to_string(count) + " device(s), driver API " +
-         std::to_string(driver);
-}
-
-#define ATTNRES_SKIP_WITHOUT_CUDA()                                              \
-  do {                                                                           \
-    if (!attnres_cuda_available()) {                                             \
-      GTEST_SKIP() << "skipped: no CUDA device (" << CudaRuntimeStatus() << ")"; \
-    }                                                                            \
-  } while (0)
-
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* old = std::getenv(name);
-    if (old != nullptr) old_ = old, had_ = true;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) {
-      setenv(name_, old_.c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::string old_;
-  bool had_ = false;
-};
-
 class Rng {
  public:
   explicit Rng(uint64_t seed) : gen_(seed) {}
@@ -128,26 +90,20 @@ class Rng {
 
 // A [rows, dim] tensor with row stride `stride` (dense: rows = 1, or stride = dim)
 // held twice: in a host Buffer (the CPU backend's operand, and where results are
-// read) and in device memory starting `offset` elements past a cudaMalloc'd
+// read) and in its device twin starting `offset` elements past a cudaMalloc'd
 // address (misaligned on purpose: one element is less than 16 bytes).
 class Twin {
  public:
   Twin(attnres_dtype dtype, int64_t rows, int64_t dim, int64_t stride, uint8_t fill,
        size_t offset)
-      : rows_(rows), dim_(dim), stride_(stride), offset_(offset * DTypeSize(dtype)),
+      : rows_(rows), dim_(dim), stride_(stride),
         host_(dtype, StridedCount(rows, dim, stride), fill) {
-    if (cudaMalloc(&base_, host_.total_bytes() + offset_) != cudaSuccess) {
-      base_ = nullptr;
-      ADD_FAILURE() << "cudaMalloc of " << host_.total_bytes() + offset_ << " bytes failed";
-    }
+    host_.AddDeviceTwin(offset * DTypeSize(dtype));
   }
   Twin(const Twin&) = delete;
   Twin& operator=(const Twin&) = delete;
-  ~Twin() {
-    if (base_ != nullptr) cudaFree(base_);
-  }
 
-  void* ptr(bool cuda) { return cuda ? static_cast<char*>(base_) + offset_ : host_.data(); }
+  void* ptr(bool cuda) { return cuda ? host_.abi_data() : host_.data(); }
   void Write(const Vec& v) {
     for (int64_t t = 0; t < rows_; ++t)
       for (int64_t d = 0; d < dim_; ++d) host_.Set(t * stride_ + d, v[t * dim_ + d]);
@@ -170,20 +126,12 @@ class Twin {
     return std::vector<unsigned char>(host_.bytes(), host_.bytes() + host_.total_bytes());
   }
   // Host -> device and back, whole buffers (padding and guard included).
-  void Upload() {
-    EXPECT_EQ(cudaMemcpy(ptr(true), host_.data(), host_.total_bytes(), cudaMemcpyHostToDevice),
-              cudaSuccess);
-  }
-  void Download() {
-    EXPECT_EQ(cudaMemcpy(host_.data(), ptr(true), host_.total_bytes(), cudaMemcpyDeviceToHost),
-              cudaSuccess);
-  }
+  void Upload() { host_.Upload(); }
+  void Download() { host_.Download(); }
 
  private:
   int64_t rows_, dim_, stride_;
-  size_t offset_;
   Buffer host_;
-  void* base_ = nullptr;
 };
 using TwinPtr = std::unique_ptr<Twin>;
 

@@ -1,5 +1,5 @@
 // Numerical edge cases not covered by test_isolation.cc (which holds NaN/Inf
-// isolation, logits of +-1e4 and all-zero sources with eps > 0):
+// isolation, logits of +-1e4 and all-zero sources with eps > 0), on every backend:
 //   - eps = 0: finite and exact for ordinary sources; a source row that is all
 //     zero makes r = 0 and its key 0/0, so that token (and only that token) is
 //     NaN, as in the seed and the float64 oracle. docs/RELIABILITY.md states it.
@@ -48,8 +48,8 @@ TEST(EpsZero, OrdinarySourcesMatchTheOracle) {
     const auto ref_f = attnres::ref::Forward(p);
     const auto ref_b = attnres::ref::Backward(p, grad_out);
     const Tolerance tol = ToleranceFor(dtype);
-    ForEachIsa([&](const std::string&) {
-      AbiProblem abi(c, p);
+    ForEachBackend([&](const Backend& backend) {
+      AbiProblem abi(c, p, backend.device);
       const ForwardOutput f = abi.Forward(true, true);
       ASSERT_EQ(f.status, ATTNRES_OK) << f.error;
       EXPECT_TRUE(Close("out", f.out, ref_f.out, tol.out));
@@ -83,8 +83,8 @@ TEST(EpsZero, ZeroSourceRowMakesOnlyItsTokenNaN) {
     const auto ref_f = attnres::ref::Forward(zero_p);
     EXPECT_TRUE(AllNan(Row(ref_f.out, kToken, D))) << "the oracle is NaN there too";
 
-    ForEachIsa([&](const std::string&) {
-      AbiProblem clean(c, clean_p), zero(c, zero_p);
+    ForEachBackend([&](const Backend& backend) {
+      AbiProblem clean(c, clean_p, backend.device), zero(c, zero_p, backend.device);
       const ForwardOutput fc = clean.Forward(true, true);
       const ForwardOutput fz = zero.Forward(true, true);
       ASSERT_EQ(fz.status, ATTNRES_OK) << fz.error;
@@ -138,8 +138,8 @@ TEST(EpsZero, ZeroSourcesWithoutRmsnormAreFinite) {
     const auto grad_out = MakeGradOut(c);
     const auto ref_b = attnres::ref::Backward(p, grad_out);
     const Tolerance tol = ToleranceFor(dtype);
-    ForEachIsa([&](const std::string&) {
-      AbiProblem abi(c, p);
+    ForEachBackend([&](const Backend& backend) {
+      AbiProblem abi(c, p, backend.device);
       const ForwardOutput f = abi.Forward(false, true);
       ASSERT_EQ(f.status, ATTNRES_OK) << f.error;
       EXPECT_TRUE(Close("out", f.out, std::vector<double>(f.out.size(), 0.0), 0));
@@ -240,8 +240,8 @@ void CheckSubnormalSources(attnres_dtype dtype, bool rmsnorm, int64_t dim) {
   for (double v : ref_f.out) max_out = std::max(max_out, std::fabs(v));
   ASSERT_GT(max_out, 0.05 * norm_min) << "the case should give subnormal, non-zero outputs";
   ASSERT_LT(max_out, norm_min) << "the case should give subnormal outputs";
-  ForEachIsa([&](const std::string&) {
-    AbiProblem abi(c, p);
+  ForEachBackend([&](const Backend& backend) {
+    AbiProblem abi(c, p, backend.device);
     const ForwardOutput f = abi.Forward(rmsnorm, true);
     ASSERT_EQ(f.status, ATTNRES_OK) << f.error;
     EXPECT_TRUE(AllFinite(f.out));

@@ -1,7 +1,7 @@
 // The float64 backward through the C ABI against central differences of the
 // float64 forward through the C ABI: loss = sum_{t,d} c[t,d] * h[t,d] for a
 // random c, so dLoss/dh = c is the grad_out given to the backward. Checks the
-// gradient of every source element, of w and of gamma.
+// gradient of every source element, of w and of gamma, on every backend.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -46,8 +46,8 @@ void CheckGradients(const Case& c) {
   const int64_t L = c.num_sources(), T = c.tokens, D = c.dim;
   const int64_t stride = D + c.source_pad;
 
-  ForEachIsa([&](const std::string&) {
-    AbiProblem abi(c, problem);
+  ForEachBackend([&](const Backend& backend) {
+    AbiProblem abi(c, problem, backend.device);
     for (bool caches : {false, true}) {
       SCOPED_TRACE(caches ? "backward with caches" : "backward without caches");
       BackwardOptions o;
@@ -122,10 +122,12 @@ TEST(FiniteDiff, GammaNullMeansOnes) {
   const auto problem = MakeProblem(c);
   const auto g = MakeGradOut(c);
   const auto ref_b = attnres::ref::Backward(problem, g);
-  AbiProblem abi(c, problem);
-  const BackwardOutput b = abi.Backward(g, BackwardOptions());
-  ASSERT_EQ(b.status, ATTNRES_OK) << b.error;
-  EXPECT_TRUE(Close("grad_gamma (gamma NULL)", b.grad_gamma, ref_b.grad_gamma, 1e-10));
+  ForEachBackend([&](const Backend& backend) {
+    AbiProblem abi(c, problem, backend.device);
+    const BackwardOutput b = abi.Backward(g, BackwardOptions());
+    ASSERT_EQ(b.status, ATTNRES_OK) << b.error;
+    EXPECT_TRUE(Close("grad_gamma (gamma NULL)", b.grad_gamma, ref_b.grad_gamma, 1e-10));
+  });
 }
 
 TEST(FiniteDiff, StridedRows) {

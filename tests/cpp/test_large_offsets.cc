@@ -5,6 +5,8 @@
 // t * (2^31 + 8) -- past 2^35 for the last of 20 rows. Only the touched rows
 // become resident (a few hundred pages). The results must be bitwise those of
 // the same problem laid out densely, and nothing may be written after a row.
+// CPU only: device memory has no such free reservation; the CUDA backend's
+// counterpart, CudaBackend.RowStridesPast32Bits, allocates the gigabytes.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 

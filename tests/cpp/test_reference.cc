@@ -1,6 +1,6 @@
 // The float64 oracle (src/ref/) against the golden cases computed independently
 // from the seed's math (tests/data/block_attn_res_f64.json), then the library's
-// float64 path against the same golden values on every CPU ISA.
+// float64 path against the same golden values on every backend.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -304,8 +304,8 @@ TEST(Reference, AlphaSumsToOneAndSingleSourceIsIdentity) {
   }
 }
 
-// The library's float64 path, on every CPU ISA, against the same golden values
-// (tolerance SPEC §3 for fp64).
+// The library's float64 path, on every backend (each CPU ISA; CUDA when a
+// device is present), against the same golden values (tolerance SPEC §3 for fp64).
 TEST(LibraryF64, MatchesGolden) {
   for (const GoldenCase& g : Golden()) {
     SCOPED_TRACE(g.name);
@@ -321,8 +321,8 @@ TEST(LibraryF64, MatchesGolden) {
     c.eps = p.eps;
     c.dtype = ATTNRES_DTYPE_FLOAT64;
     const double tol = ToleranceFor(c.dtype).out;
-    ForEachIsa([&](const std::string&) {
-      AbiProblem abi(c, p);
+    ForEachBackend([&](const Backend& backend) {
+      AbiProblem abi(c, p, backend.device);
       const ForwardOutput f = abi.Forward(p.rmsnorm, true);
       ASSERT_EQ(f.status, ATTNRES_OK) << f.error;
       EXPECT_EQ(f.layout_error, "");

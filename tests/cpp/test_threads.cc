@@ -1,8 +1,9 @@
 // Thread safety of the C ABI: calls from several threads at once, each on its
 // own buffers, give bitwise the results of the same calls made one after
-// another; attnres_last_error() is per thread under concurrent failures (the
-// two-thread handshake test is AbiErrorsThreads.LastErrorIsPerThread in
-// test_abi_errors.cc; this one hammers it).
+// another, on every backend; attnres_last_error() is per thread under
+// concurrent failures (the two-thread handshake test is
+// AbiErrorsThreads.LastErrorIsPerThread in test_abi_errors.cc; this one
+// hammers it).
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -78,39 +79,44 @@ Case ThreadCase(int k) {
   return c;
 }
 
+// The library's thread count (an OpenMP team per call) only matters on the CPU.
 void CheckConcurrentMatchesSerial(int library_threads) {
   attnres_set_num_threads(library_threads);
   std::vector<Case> cases;
   std::vector<attnres::ref::Problem> problems;
   std::vector<std::vector<double>> grads;
-  std::vector<std::vector<Result>> serial;
   for (int k = 0; k < kThreads; ++k) {
     cases.push_back(ThreadCase(k));
     problems.push_back(MakeProblem(cases[k]));
     grads.push_back(MakeGradOut(cases[k]));
-    AbiProblem abi(cases[k], problems[k]);
-    serial.push_back(RunCalls(&abi, grads[k]));
   }
+  ForEachBackend([&](const Backend& backend) {
+    std::vector<std::vector<Result>> serial;
+    for (int k = 0; k < kThreads; ++k) {
+      AbiProblem abi(cases[k], problems[k], backend.device);
+      serial.push_back(RunCalls(&abi, grads[k]));
+    }
 
-  constexpr int kRounds = 4;
-  std::atomic<int> ready{0};
-  std::vector<int> mismatches(kThreads, 0);
-  std::vector<std::thread> threads;
-  for (int k = 0; k < kThreads; ++k) {
-    threads.emplace_back([&, k] {
-      AbiProblem abi(cases[k], problems[k]);  // this thread's own buffers
-      ready.fetch_add(1);
-      while (ready.load() < kThreads) std::this_thread::yield();  // start together
-      for (int round = 0; round < kRounds; ++round) {
-        if (!SameResults(RunCalls(&abi, grads[k]), serial[k])) ++mismatches[k];
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  for (int k = 0; k < kThreads; ++k) {
-    EXPECT_EQ(mismatches[k], 0) << "thread " << k << " (" << cases[k].Describe()
-                                << ") differs from the serial run";
-  }
+    constexpr int kRounds = 4;
+    std::atomic<int> ready{0};
+    std::vector<int> mismatches(kThreads, 0);
+    std::vector<std::thread> threads;
+    for (int k = 0; k < kThreads; ++k) {
+      threads.emplace_back([&, k] {
+        AbiProblem abi(cases[k], problems[k], backend.device);  // this thread's own buffers
+        ready.fetch_add(1);
+        while (ready.load() < kThreads) std::this_thread::yield();  // start together
+        for (int round = 0; round < kRounds; ++round) {
+          if (!SameResults(RunCalls(&abi, grads[k]), serial[k])) ++mismatches[k];
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int k = 0; k < kThreads; ++k) {
+      EXPECT_EQ(mismatches[k], 0) << "thread " << k << " (" << cases[k].Describe()
+                                  << ") differs from the serial run";
+    }
+  });
   attnres_set_num_threads(0);
 }
 
@@ -121,7 +127,8 @@ TEST(Threads, ConcurrentCallsMatchSerialTwoLibraryThreads) { CheckConcurrentMatc
 
 // Every thread alternates its own failure (a different argument per thread)
 // with successful calls: attnres_last_error() always shows this thread's last
-// failure, never another thread's, and a success does not change it.
+// failure, never another thread's, and a success does not change it. CPU only:
+// the arguments are checked before a call reaches any backend.
 TEST(Threads, LastErrorIsPerThreadUnderConcurrency) {
   struct Breaker {
     const char* name;

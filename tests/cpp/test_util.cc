@@ -1,13 +1,18 @@
 #include "test_util.h"
 
-#include "ref/harness.h"
-
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <sstream>
+
+#include "ref/harness.h"
+
+#ifdef ATTNRES_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 namespace attnres_test {
 
@@ -106,12 +111,68 @@ attnres_dtype CacheDType(attnres_dtype dtype) {
 }
 
 // ---------------------------------------------------------------------------
-// Buffer.
+// DeviceMemory and Buffer.
+
+#ifdef ATTNRES_WITH_CUDA
+
+DeviceMemory::DeviceMemory(size_t bytes, size_t offset) : bytes_(bytes), offset_(offset) {
+  const cudaError_t err = cudaMalloc(&base_, bytes + offset);
+  if (err != cudaSuccess) {
+    base_ = nullptr;
+    ADD_FAILURE() << "cudaMalloc of " << bytes + offset << " bytes: " << cudaGetErrorString(err);
+  }
+}
+
+DeviceMemory::~DeviceMemory() {
+  if (base_ != nullptr) cudaFree(base_);
+}
+
+void DeviceMemory::Fill(uint8_t pattern) {
+  EXPECT_EQ(cudaMemset(get(), pattern, bytes_), cudaSuccess);
+}
+
+void Buffer::Upload() {
+  if (device_.get() == nullptr) return;
+  EXPECT_EQ(cudaMemcpy(device_.get(), data(), total_bytes(), cudaMemcpyHostToDevice),
+            cudaSuccess);
+}
+
+void Buffer::Download() {
+  if (device_.get() == nullptr) return;
+  EXPECT_EQ(cudaMemcpy(data(), device_.get(), total_bytes(), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+}
+
+#else  // Tests that need a device skip before they allocate.
+
+DeviceMemory::DeviceMemory(size_t bytes, size_t offset) : bytes_(bytes), offset_(offset) {
+  ADD_FAILURE() << "device memory in a test built without ATTNRES_WITH_CUDA";
+}
+
+DeviceMemory::~DeviceMemory() = default;
+
+void DeviceMemory::Fill(uint8_t) {}
+void Buffer::Upload() {}
+void Buffer::Download() {}
+
+#endif  // ATTNRES_WITH_CUDA
+
+DeviceMemory& DeviceMemory::operator=(DeviceMemory&& other) noexcept {
+  std::swap(base_, other.base_);
+  std::swap(bytes_, other.bytes_);
+  std::swap(offset_, other.offset_);
+  return *this;
+}
 
 Buffer::Buffer(attnres_dtype dtype, size_t count, uint8_t fill)
     : dtype_(dtype),
       count_(count),
       storage_((count + kGuardElements) * DTypeSize(dtype), fill) {}
+
+void Buffer::AddDeviceTwin(size_t offset) {
+  device_ = DeviceMemory(total_bytes(), offset);
+  Upload();
+}
 
 void Buffer::Set(size_t i, double v) {
   unsigned char* p = storage_.data() + i * elem_size();
@@ -227,13 +288,38 @@ std::vector<double> MakeGradOut(const Case& c) {
 }
 
 // ---------------------------------------------------------------------------
+// Reading back.
+
+std::vector<double> ReadRows(const Buffer& b, int64_t rows, int64_t dim, int64_t stride,
+                             const std::string& name, std::string* layout_error) {
+  std::vector<double> v(rows * dim);
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t d = 0; d < dim; ++d) v[t * dim + d] = b.Get(t * stride + d);
+    if (t + 1 < rows && stride > dim &&
+        !b.BytesAre(t * stride + dim, stride - dim, kOutputSentinel)) {
+      *layout_error += name + ": row padding after row " + std::to_string(t) + " was written; ";
+    }
+  }
+  if (!b.GuardIntact(kOutputSentinel)) *layout_error += name + ": written past its end; ";
+  return v;
+}
+
+std::vector<double> ReadDense(const Buffer& b, size_t count, const std::string& name,
+                              std::string* layout_error) {
+  std::vector<double> v(count);
+  for (size_t k = 0; k < count; ++k) v[k] = b.Get(k);
+  if (!b.GuardIntact(kOutputSentinel)) *layout_error += name + ": written past its end; ";
+  return v;
+}
+
+// ---------------------------------------------------------------------------
 // AbiProblem.
 
 namespace {
 
 const void* const kNoBlocks[1] = {nullptr};  // non-NULL array for N = 0
 
-// FNV-1a over 8-byte words: detects any write to an input buffer.
+// FNV-1a over 8-byte words of the host bytes: detects any write to a buffer.
 uint64_t Hash(const Buffer& b) {
   uint64_t h = 1469598103934665603ull;
   const size_t n = b.total_bytes();
@@ -247,6 +333,12 @@ uint64_t Hash(const Buffer& b) {
   return h;
 }
 
+std::vector<uint64_t> Hashes(const std::vector<Buffer*>& buffers) {
+  std::vector<uint64_t> h;
+  for (const Buffer* b : buffers) h.push_back(Hash(*b));
+  return h;
+}
+
 void FillRows(Buffer* b, const std::vector<double>& values, int64_t rows,
               int64_t dim, int64_t stride) {
   for (int64_t t = 0; t < rows; ++t) {
@@ -254,23 +346,74 @@ void FillRows(Buffer* b, const std::vector<double>& values, int64_t rows,
   }
 }
 
+void ResetOutput(Buffer* b) {
+  b->Fill(kOutputSentinel);
+  b->Upload();
+}
+
+// Waits for every call on the device, whatever its stream, and reports an error
+// that surfaced asynchronously.
+void Synchronize(attnres_device device) {
+#ifdef ATTNRES_WITH_CUDA
+  if (device == ATTNRES_DEVICE_CUDA) {
+    const cudaError_t err = cudaDeviceSynchronize();
+    EXPECT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
+  }
+#else
+  (void)device;
+#endif
+}
+
+int64_t ElementAt(const std::vector<int64_t>& v, int64_t i) {
+  return i < static_cast<int64_t>(v.size()) ? v[i] : 0;
+}
+
 }  // namespace
 
-AbiProblem::AbiProblem(const Case& c, const attnres::ref::Problem& p)
-    : case_(c), L_(c.num_sources()) {
-  const int64_t stride = c.dim + c.source_pad;
+AbiProblem::AbiProblem(const Case& c, const attnres::ref::Problem& p, attnres_device device,
+                       const Placement& at)
+    : case_(c), L_(c.num_sources()), device_(device) {
+  const int64_t T = c.tokens, D = c.dim;
   for (int64_t i = 0; i < L_; ++i) {
-    sources_.emplace_back(c.dtype, StridedCount(c.tokens, c.dim, stride),
-                          kInputPadding);
-    FillRows(&sources_.back(), p.sources[i], c.tokens, c.dim, stride);
+    sources_.emplace_back(c.dtype, StridedCount(T, D, D + c.source_pad), kInputPadding);
+    FillRows(&sources_.back(), p.sources[i], T, D, D + c.source_pad);
   }
-  for (int64_t i = 0; i < c.num_blocks; ++i) block_ptrs_.push_back(sources_[i].data());
-  w_ = Buffer(c.dtype, c.dim, kInputPadding);
-  for (int64_t d = 0; d < c.dim; ++d) w_.Set(d, p.w[d]);
+  w_ = Buffer(c.dtype, D, kInputPadding);
+  for (int64_t d = 0; d < D; ++d) w_.Set(d, p.w[d]);
   if (c.has_gamma) {
-    gamma_ = Buffer(c.dtype, c.dim, kInputPadding);
-    for (int64_t d = 0; d < c.dim; ++d) gamma_.Set(d, p.gamma[d]);
+    gamma_ = Buffer(c.dtype, D, kInputPadding);
+    for (int64_t d = 0; d < D; ++d) gamma_.Set(d, p.gamma[d]);
   }
+  const attnres_dtype cache_dtype = CacheDType(c.dtype);
+  out_ = Buffer(c.dtype, StridedCount(T, D, D + c.out_pad), kOutputSentinel);
+  rms_cache_ = Buffer(cache_dtype, T * L_, kOutputSentinel);
+  alpha_cache_ = Buffer(cache_dtype, T * L_, kOutputSentinel);
+  grad_out_ = Buffer(c.dtype, StridedCount(T, D, D + c.grad_out_pad), kInputPadding);
+  for (int64_t i = 0; i < L_; ++i) {
+    grad_sources_.emplace_back(c.dtype, StridedCount(T, D, D + c.grad_source_pad),
+                               kOutputSentinel);
+  }
+  grad_w_ = Buffer(c.dtype, D, kOutputSentinel);
+  grad_gamma_ = Buffer(c.dtype, D, kOutputSentinel);
+  // Every buffer up front, so that the addresses stay put for a captured graph.
+  if (device == ATTNRES_DEVICE_CUDA) {
+    const size_t elem = DTypeSize(c.dtype);
+    for (int64_t i = 0; i < L_; ++i) sources_[i].AddDeviceTwin(ElementAt(at.sources, i) * elem);
+    w_.AddDeviceTwin(at.w * elem);
+    if (c.has_gamma) gamma_.AddDeviceTwin(at.gamma * elem);
+    out_.AddDeviceTwin(at.out * elem);
+    rms_cache_.AddDeviceTwin(0);
+    alpha_cache_.AddDeviceTwin(0);
+    grad_out_.AddDeviceTwin(at.grad_out * elem);
+    for (int64_t i = 0; i < L_; ++i) {
+      grad_sources_[i].AddDeviceTwin(ElementAt(at.grads, i) * elem);
+    }
+    grad_w_.AddDeviceTwin(0);
+    grad_gamma_.AddDeviceTwin(0);
+    Synchronize(device);
+  }
+  for (int64_t i = 0; i < c.num_blocks; ++i) block_ptrs_.push_back(sources_[i].abi_data());
+  cache_hashes_ = Hashes({&rms_cache_, &alpha_cache_});
 }
 
 attnres_params AbiProblem::InputParams() const {
@@ -280,87 +423,165 @@ attnres_params AbiProblem::InputParams() const {
   p.dim = case_.dim;
   p.num_blocks = case_.num_blocks;
   p.dtype = case_.dtype;
-  p.device = ATTNRES_DEVICE_CPU;
+  p.device = device_;
+  p.stream = stream_;
   p.blocks = block_ptrs_.empty() ? kNoBlocks : block_ptrs_.data();
-  p.partial = case_.has_partial ? sources_[L_ - 1].data() : nullptr;
+  p.partial = case_.has_partial ? sources_[L_ - 1].abi_data() : nullptr;
   p.source_row_stride = case_.dim + case_.source_pad;
-  p.proj_weight = w_.data();
-  p.gamma = case_.has_gamma ? gamma_.data() : nullptr;
+  p.proj_weight = w_.abi_data();
+  p.gamma = case_.has_gamma ? gamma_.abi_data() : nullptr;
   p.scale = case_.scale;
   p.eps = case_.eps;
   p.rmsnorm = case_.rmsnorm ? 1 : 0;
   return p;
 }
 
-std::vector<double> AbiProblem::ReadRows(const Buffer& b, int64_t stride,
-                                         const char* name,
-                                         std::string* layout_error) const {
-  const int64_t T = case_.tokens, D = case_.dim;
-  std::vector<double> v(T * D);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t d = 0; d < D; ++d) v[t * D + d] = b.Get(t * stride + d);
-    if (t + 1 < T && stride > D &&
-        !b.BytesAre(t * stride + D, stride - D, kOutputSentinel)) {
-      *layout_error += std::string(name) + ": row padding after row " +
-                       std::to_string(t) + " was written; ";
+bool AbiProblem::Skipped(const BackwardOptions& o, int64_t i) const {
+  if (i < case_.num_blocks && o.grad_blocks_null) return true;
+  return i < static_cast<int64_t>(o.skip_source.size()) && o.skip_source[i];
+}
+
+std::vector<std::pair<std::string, Buffer*>> AbiProblem::Inputs(bool backward) {
+  std::vector<std::pair<std::string, Buffer*>> inputs;
+  for (int64_t i = 0; i < L_; ++i) inputs.emplace_back("source " + std::to_string(i), &sources_[i]);
+  inputs.emplace_back("proj_weight", &w_);
+  if (case_.has_gamma) inputs.emplace_back("gamma", &gamma_);
+  if (backward) inputs.emplace_back("grad_out", &grad_out_);
+  return inputs;
+}
+
+std::vector<Buffer*> AbiProblem::Outputs() {
+  std::vector<Buffer*> outputs = {&out_, &rms_cache_, &alpha_cache_, &grad_w_, &grad_gamma_};
+  for (Buffer& g : grad_sources_) outputs.push_back(&g);
+  return outputs;
+}
+
+void AbiProblem::Ready(bool backward) {
+  input_hashes_.clear();
+  for (const auto& [name, buffer] : Inputs(backward)) {
+    buffer->Upload();
+    input_hashes_.push_back(Hash(*buffer));
+  }
+  output_hashes_ = Hashes(Outputs());
+  Synchronize(device_);  // Buffer::Upload: before a launch on a non-blocking stream
+}
+
+void AbiProblem::CheckInputs(bool backward, std::string* layout_error) {
+  const auto inputs = Inputs(backward);
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    inputs[k].second->Download();
+    if (Hash(*inputs[k].second) != input_hashes_[k]) {
+      *layout_error += inputs[k].first + " was modified; ";
     }
   }
-  if (!b.GuardIntact(kOutputSentinel)) {
-    *layout_error += std::string(name) + ": written past its end; ";
+}
+
+attnres_params AbiProblem::PrepareForward(bool want_rms_cache, bool want_alpha_cache) {
+  want_rms_ = want_rms_cache;
+  want_alpha_ = want_alpha_cache;
+  caches_valid_ = false;
+  for (Buffer* b : {&out_, &rms_cache_, &alpha_cache_}) ResetOutput(b);
+  cache_hashes_ = Hashes({&rms_cache_, &alpha_cache_});
+  Ready(false);
+  attnres_params p = InputParams();
+  p.out = out_.abi_data();
+  p.out_row_stride = case_.dim + case_.out_pad;
+  if (want_rms_cache) p.rms_cache = rms_cache_.abi_data();
+  if (want_alpha_cache) p.alpha_cache = alpha_cache_.abi_data();
+  return p;
+}
+
+ForwardOutput AbiProblem::ReadForward() {
+  ForwardOutput res;
+  const int64_t T = case_.tokens, D = case_.dim;
+  Synchronize(device_);
+  CheckInputs(false, &res.layout_error);
+  out_.Download();
+  res.out = ReadRows(out_, T, D, D + case_.out_pad, "out", &res.layout_error);
+  if (want_rms_) {
+    rms_cache_.Download();
+    res.rms = ReadDense(rms_cache_, T * L_, "rms_cache", &res.layout_error);
   }
-  return v;
+  if (want_alpha_) {
+    alpha_cache_.Download();
+    res.alpha = ReadDense(alpha_cache_, T * L_, "alpha_cache", &res.layout_error);
+  }
+  caches_valid_ = want_alpha_ && (want_rms_ || !case_.rmsnorm);
+  cache_hashes_ = Hashes({&rms_cache_, &alpha_cache_});
+  return res;
 }
 
 ForwardOutput AbiProblem::Forward(bool want_rms_cache, bool want_alpha_cache) {
-  ForwardOutput res;
-  const int64_t T = case_.tokens, D = case_.dim;
-  const int64_t out_stride = D + case_.out_pad;
-  attnres_params p = InputParams();
-  out_ = Buffer(case_.dtype, StridedCount(T, D, out_stride), kOutputSentinel);
-  p.out = out_.data();
-  p.out_row_stride = out_stride;
-  const attnres_dtype cache_dtype = CacheDType(case_.dtype);
-  if (want_rms_cache) {
-    rms_cache_ = Buffer(cache_dtype, T * L_, kOutputSentinel);
-    p.rms_cache = rms_cache_.data();
-  }
-  if (want_alpha_cache) {
-    alpha_cache_ = Buffer(cache_dtype, T * L_, kOutputSentinel);
-    p.alpha_cache = alpha_cache_.data();
-  }
-  caches_valid_ = false;
-
-  std::vector<uint64_t> input_hashes;
-  for (const Buffer& s : sources_) input_hashes.push_back(Hash(s));
-  res.status = attnres_forward(&p);
-  if (res.status != ATTNRES_OK) {
+  const attnres_params p = PrepareForward(want_rms_cache, want_alpha_cache);
+  const attnres_status status = attnres_forward(&p);
+  if (status != ATTNRES_OK) {
+    ForwardOutput res;
+    res.status = status;
     res.error = attnres_last_error();
     return res;
   }
-  for (size_t i = 0; i < sources_.size(); ++i) {
-    if (Hash(sources_[i]) != input_hashes[i]) {
-      res.layout_error += "source " + std::to_string(i) + " was modified; ";
-    }
+  return ReadForward();
+}
+
+attnres_params AbiProblem::PrepareBackward(const std::vector<double>& grad_out,
+                                           const BackwardOptions& o) {
+  backward_ = o;
+  const int64_t D = case_.dim, N = case_.num_blocks;
+  FillRows(&grad_out_, grad_out, case_.tokens, D, D + case_.grad_out_pad);
+  for (Buffer& g : grad_sources_) ResetOutput(&g);
+  ResetOutput(&grad_w_);
+  ResetOutput(&grad_gamma_);
+  Ready(true);
+  attnres_params p = InputParams();
+  p.grad_out = grad_out_.abi_data();
+  p.grad_out_row_stride = D + case_.grad_out_pad;
+  if (o.use_rms_cache && case_.rmsnorm) p.rms_cache = rms_cache_.abi_data();
+  if (o.use_alpha_cache) p.alpha_cache = alpha_cache_.abi_data();
+  grad_block_ptrs_.assign(N, nullptr);
+  for (int64_t i = 0; i < N; ++i) {
+    if (!Skipped(o, i)) grad_block_ptrs_[i] = grad_sources_[i].abi_data();
   }
-  res.out = ReadRows(out_, out_stride, "out", &res.layout_error);
-  auto read_cache = [&](const Buffer& b, const char* name) {
-    std::vector<double> v(T * L_);
-    for (int64_t k = 0; k < T * L_; ++k) v[k] = b.Get(k);
-    if (!b.GuardIntact(kOutputSentinel)) {
-      res.layout_error += std::string(name) + ": written past its end; ";
-    }
-    return v;
-  };
-  if (want_rms_cache) res.rms = read_cache(rms_cache_, "rms_cache");
-  if (want_alpha_cache) res.alpha = read_cache(alpha_cache_, "alpha_cache");
-  caches_valid_ = want_alpha_cache && (want_rms_cache || !case_.rmsnorm);
+  p.grad_blocks = o.grad_blocks_null ? nullptr : grad_block_ptrs_.data();
+  if (case_.has_partial && !Skipped(o, L_ - 1)) p.grad_partial = grad_sources_[L_ - 1].abi_data();
+  p.grad_source_row_stride = D + case_.grad_source_pad;
+  if (!o.skip_w) p.grad_proj_weight = grad_w_.abi_data();
+  if (case_.rmsnorm && !o.skip_gamma) p.grad_gamma = grad_gamma_.abi_data();
+  return p;
+}
+
+BackwardOutput AbiProblem::ReadBackward() {
+  BackwardOutput res;
+  const BackwardOptions& o = backward_;
+  const int64_t T = case_.tokens, D = case_.dim;
+  Synchronize(device_);
+  CheckInputs(true, &res.layout_error);
+  rms_cache_.Download();
+  alpha_cache_.Download();
+  const std::vector<uint64_t> caches = Hashes({&rms_cache_, &alpha_cache_});
+  if (caches[0] != cache_hashes_[0]) res.layout_error += "rms_cache was modified; ";
+  if (caches[1] != cache_hashes_[1]) res.layout_error += "alpha_cache was modified; ";
+
+  res.grad_sources.resize(L_);
+  for (int64_t i = 0; i < L_; ++i) {
+    if (Skipped(o, i)) continue;
+    grad_sources_[i].Download();
+    res.grad_sources[i] = ReadRows(grad_sources_[i], T, D, D + case_.grad_source_pad,
+                                   "grad_source[" + std::to_string(i) + "]", &res.layout_error);
+  }
+  if (!o.skip_w) {
+    grad_w_.Download();
+    res.grad_w = ReadDense(grad_w_, D, "grad_proj_weight", &res.layout_error);
+  }
+  if (case_.rmsnorm && !o.skip_gamma) {
+    grad_gamma_.Download();
+    res.grad_gamma = ReadDense(grad_gamma_, D, "grad_gamma", &res.layout_error);
+  }
   return res;
 }
 
 BackwardOutput AbiProblem::Backward(const std::vector<double>& grad_out,
                                     const BackwardOptions& o) {
   BackwardOutput res;
-  const int64_t T = case_.tokens, D = case_.dim, N = case_.num_blocks;
   const bool want_caches = o.use_alpha_cache || (o.use_rms_cache && case_.rmsnorm);
   if (want_caches && !caches_valid_) {
     const ForwardOutput f = Forward(case_.rmsnorm, true);
@@ -370,74 +591,20 @@ BackwardOutput AbiProblem::Backward(const std::vector<double>& grad_out,
       return res;
     }
   }
-  attnres_params p = InputParams();
-  const int64_t gout_stride = D + case_.grad_out_pad;
-  grad_out_ = Buffer(case_.dtype, StridedCount(T, D, gout_stride), kInputPadding);
-  FillRows(&grad_out_, grad_out, T, D, gout_stride);
-  p.grad_out = grad_out_.data();
-  p.grad_out_row_stride = gout_stride;
-  if (o.use_rms_cache && case_.rmsnorm) p.rms_cache = rms_cache_.data();
-  if (o.use_alpha_cache) p.alpha_cache = alpha_cache_.data();
-
-  const int64_t gsrc_stride = D + case_.grad_source_pad;
-  auto skipped = [&](int64_t i) {
-    if (i < N && o.grad_blocks_null) return true;
-    return i < static_cast<int64_t>(o.skip_source.size()) && o.skip_source[i];
-  };
-  grad_sources_.assign(L_, Buffer());
-  grad_block_ptrs_.assign(N, nullptr);
-  for (int64_t i = 0; i < L_; ++i) {
-    if (skipped(i)) continue;
-    grad_sources_[i] = Buffer(case_.dtype, StridedCount(T, D, gsrc_stride), kOutputSentinel);
-    if (i < N) grad_block_ptrs_[i] = grad_sources_[i].data();
-  }
-  p.grad_blocks = o.grad_blocks_null ? nullptr : grad_block_ptrs_.data();
-  if (case_.has_partial && !skipped(L_ - 1)) p.grad_partial = grad_sources_[L_ - 1].data();
-  p.grad_source_row_stride = gsrc_stride;
-  if (!o.skip_w) {
-    grad_w_ = Buffer(case_.dtype, D, kOutputSentinel);
-    p.grad_proj_weight = grad_w_.data();
-  }
-  const bool want_gamma = case_.rmsnorm && !o.skip_gamma;
-  if (want_gamma) {
-    grad_gamma_ = Buffer(case_.dtype, D, kOutputSentinel);
-    p.grad_gamma = grad_gamma_.data();
-  }
-
-  std::vector<uint64_t> input_hashes;
-  for (const Buffer& s : sources_) input_hashes.push_back(Hash(s));
-  const uint64_t rms_hash = Hash(rms_cache_), alpha_hash = Hash(alpha_cache_);
+  const attnres_params p = PrepareBackward(grad_out, o);
   res.status = attnres_backward(&p);
   if (res.status != ATTNRES_OK) {
     res.error = attnres_last_error();
     return res;
   }
-  for (size_t i = 0; i < sources_.size(); ++i) {
-    if (Hash(sources_[i]) != input_hashes[i]) {
-      res.layout_error += "source " + std::to_string(i) + " was modified; ";
-    }
-  }
-  if (Hash(rms_cache_) != rms_hash) res.layout_error += "rms_cache was modified; ";
-  if (Hash(alpha_cache_) != alpha_hash) res.layout_error += "alpha_cache was modified; ";
+  return ReadBackward();
+}
 
-  res.grad_sources.resize(L_);
-  for (int64_t i = 0; i < L_; ++i) {
-    if (skipped(i)) continue;
-    const std::string name = "grad_source[" + std::to_string(i) + "]";
-    res.grad_sources[i] = ReadRows(grad_sources_[i], gsrc_stride, name.c_str(),
-                                   &res.layout_error);
-  }
-  auto read_vec = [&](const Buffer& b, const char* name) {
-    std::vector<double> v(D);
-    for (int64_t d = 0; d < D; ++d) v[d] = b.Get(d);
-    if (!b.GuardIntact(kOutputSentinel)) {
-      res.layout_error += std::string(name) + ": written past its end; ";
-    }
-    return v;
-  };
-  if (!o.skip_w) res.grad_w = read_vec(grad_w_, "grad_proj_weight");
-  if (want_gamma) res.grad_gamma = read_vec(grad_gamma_, "grad_gamma");
-  return res;
+bool AbiProblem::OutputsUntouched() {
+  Synchronize(device_);
+  const std::vector<Buffer*> outputs = Outputs();
+  for (Buffer* b : outputs) b->Download();
+  return Hashes(outputs) == output_hashes_;
 }
 
 // ---------------------------------------------------------------------------
@@ -501,8 +668,40 @@ Tolerance ToleranceFor(attnres_dtype dtype) {
   return {0, 0, 0};
 }
 
+void ExpectForwardClose(const Case& c, const ForwardOutput& got,
+                        const attnres::ref::ForwardResult& ref, bool caches) {
+  ASSERT_EQ(got.status, ATTNRES_OK) << got.error;
+  const Tolerance tol = ToleranceFor(c.dtype);
+  EXPECT_EQ(got.layout_error, "");
+  EXPECT_TRUE(Close("out", got.out, ref.out, tol.out));
+  if (caches) {
+    EXPECT_TRUE(Close("alpha_cache", got.alpha, ref.alpha, tol.cache));
+    if (c.rmsnorm) {
+      EXPECT_TRUE(Close("rms_cache", got.rms, ref.rms, tol.cache));
+    }
+  }
+}
+
+void ExpectBackwardClose(const Case& c, const BackwardOutput& got,
+                         const attnres::ref::BackwardResult& ref, const BackwardOptions& o) {
+  ASSERT_EQ(got.status, ATTNRES_OK) << got.error;
+  const Tolerance tol = ToleranceFor(c.dtype);
+  EXPECT_EQ(got.layout_error, "");
+  for (int64_t i = 0; i < c.num_sources(); ++i) {
+    if (got.grad_sources[i].empty()) continue;
+    EXPECT_TRUE(Close("grad_source[" + std::to_string(i) + "]", got.grad_sources[i],
+                      ref.grad_sources[i], tol.grad));
+  }
+  if (!o.skip_w) {
+    EXPECT_TRUE(Close("grad_w", got.grad_w, ref.grad_w, tol.grad));
+  }
+  if (c.rmsnorm && !o.skip_gamma) {
+    EXPECT_TRUE(Close("grad_gamma", got.grad_gamma, ref.grad_gamma, tol.grad));
+  }
+}
+
 // ---------------------------------------------------------------------------
-// ISAs.
+// Backends.
 
 std::vector<std::string> AvailableIsas() {
   std::vector<std::string> isas;
@@ -511,18 +710,66 @@ std::vector<std::string> AvailableIsas() {
   return isas;
 }
 
-void ForEachIsa(const std::function<void(const std::string& isa)>& body) {
-  static const std::vector<std::string> isas = AvailableIsas();
-  if (isas.empty()) {
+std::vector<Backend> AvailableBackends() {
+  std::vector<Backend> backends;
+  for (const std::string& isa : AvailableIsas()) backends.push_back({isa, ATTNRES_DEVICE_CPU});
+#ifdef ATTNRES_WITH_CUDA
+  if (attnres_cuda_available()) backends.push_back({"cuda", ATTNRES_DEVICE_CUDA});
+#endif
+  return backends;
+}
+
+void ForEachBackend(const std::function<void(const Backend& backend)>& body) {
+  static const std::vector<Backend> backends = AvailableBackends();
+  if (backends.empty() || backends.front().device != ATTNRES_DEVICE_CPU) {
     ADD_FAILURE() << "attnres_set_cpu_isa accepted none of the ISA names";
-    return;
   }
-  for (const std::string& isa : isas) {
-    ASSERT_EQ(attnres_set_cpu_isa(isa.c_str()), ATTNRES_OK) << isa;
-    SCOPED_TRACE("isa=" + isa);
-    body(isa);
+  for (const Backend& backend : backends) {
+    if (backend.device == ATTNRES_DEVICE_CPU) {
+      ASSERT_EQ(attnres_set_cpu_isa(backend.name.c_str()), ATTNRES_OK) << backend.name;
+    } else {
+      attnres_set_cpu_isa(nullptr);
+    }
+    SCOPED_TRACE("backend=" + backend.name);
+    body(backend);
   }
   attnres_set_cpu_isa(nullptr);
+}
+
+void ForEachIsa(const std::function<void(const std::string& isa)>& body) {
+  ForEachBackend([&](const Backend& backend) {
+    if (backend.device == ATTNRES_DEVICE_CPU) body(backend.name);
+  });
+}
+
+std::string CudaRuntimeStatus() {
+#ifdef ATTNRES_WITH_CUDA
+  int count = 0, driver = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  cudaDriverGetVersion(&driver);
+  cudaGetLastError();
+  return std::string("cudaGetDeviceCount: ") + cudaGetErrorName(err) + " (" +
+         cudaGetErrorString(err) + "), " + std::to_string(count) + " device(s), driver API " +
+         std::to_string(driver);
+#else
+  return "test built without ATTNRES_WITH_CUDA";
+#endif
+}
+
+ScopedEnv::ScopedEnv(const char* name, const char* value) : name_(name) {
+  if (const char* old = std::getenv(name); old != nullptr) {
+    old_ = old;
+    had_ = true;
+  }
+  setenv(name, value, 1);
+}
+
+ScopedEnv::~ScopedEnv() {
+  if (had_) {
+    setenv(name_, old_.c_str(), 1);
+  } else {
+    unsetenv(name_);
+  }
 }
 
 bool BitwiseEqual(const std::vector<double>& a, const std::vector<double>& b) {

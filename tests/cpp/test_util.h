@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attnres/attnres.h"
@@ -43,8 +44,35 @@ attnres_dtype CacheDType(attnres_dtype dtype);
 constexpr uint8_t kOutputSentinel = 0xA5;
 constexpr uint8_t kInputPadding = 0xFF;
 
+// `bytes` of CUDA device memory whose first byte lies `offset` bytes past an
+// allocation from cudaMalloc (256-byte aligned), so that an offset misaligns it
+// on purpose. Empty by default; move-only. Only a build with
+// ATTNRES_WITH_CUDA can allocate (elsewhere the constructor fails the test).
+class DeviceMemory {
+ public:
+  DeviceMemory() = default;
+  DeviceMemory(size_t bytes, size_t offset);
+  DeviceMemory(DeviceMemory&& other) noexcept { *this = std::move(other); }
+  DeviceMemory& operator=(DeviceMemory&& other) noexcept;
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  ~DeviceMemory();
+
+  void* get() const { return base_ == nullptr ? nullptr : static_cast<char*>(base_) + offset_; }
+  size_t bytes() const { return bytes_; }
+  void Fill(uint8_t pattern);  // cudaMemset of every byte
+
+ private:
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+  size_t offset_ = 0;
+};
+
 // One heap allocation of `count` elements of `dtype` followed by kGuardElements
-// guard elements (never part of the tensor: writes there are out-of-bounds).
+// guard elements (never part of the tensor: writes there are out-of-bounds),
+// optionally with a device twin: a copy of the whole allocation, guards
+// included, in CUDA memory. Values are always set and read on the host; Upload
+// and Download move every byte between the two (no-ops without a twin).
 class Buffer {
  public:
   static constexpr size_t kGuardElements = 8;
@@ -61,6 +89,17 @@ class Buffer {
   const unsigned char* bytes() const { return storage_.data(); }
   size_t total_bytes() const { return storage_.size(); }
 
+  // Allocates the device twin, `offset` bytes into its allocation, and uploads.
+  void AddDeviceTwin(size_t offset);
+  // What a call is given: the device twin when there is one, else the host bytes.
+  void* abi_data() { return device_.get() != nullptr ? device_.get() : data(); }
+  const void* abi_data() const { return device_.get() != nullptr ? device_.get() : data(); }
+  // cudaMemcpy from pageable memory may return before the copy has landed, and
+  // a kernel on a non-blocking stream is not ordered after it: synchronise the
+  // device after uploading and before such a launch.
+  void Upload();
+  void Download();
+
   void Set(size_t i, double v);
   double Get(size_t i) const;
   void Fill(uint8_t pattern);
@@ -74,6 +113,7 @@ class Buffer {
   attnres_dtype dtype_ = ATTNRES_DTYPE_FLOAT32;
   size_t count_ = 0;
   std::vector<unsigned char> storage_;
+  DeviceMemory device_;
 };
 
 // Elements of a [rows, dim] tensor with the given row stride: the last row
@@ -116,13 +156,22 @@ std::vector<double> MakeGradOut(const Case& c);
 // ---------------------------------------------------------------------------
 // Running through the C ABI.
 
+// Upcasts a [rows, dim] tensor with the given row stride from b's host bytes;
+// appends to *layout_error when the padding between rows or the guard no
+// longer holds kOutputSentinel.
+std::vector<double> ReadRows(const Buffer& b, int64_t rows, int64_t dim, int64_t stride,
+                             const std::string& name, std::string* layout_error);
+// The first `count` elements of b, and the same check of its guard.
+std::vector<double> ReadDense(const Buffer& b, size_t count, const std::string& name,
+                              std::string* layout_error);
+
 struct ForwardOutput {
   attnres_status status = ATTNRES_OK;
   std::string error;         // attnres_last_error() when status != OK
   std::vector<double> out;   // [tokens * dim]
   std::vector<double> rms;   // [tokens * L] when requested
   std::vector<double> alpha; // [tokens * L] when requested
-  std::string layout_error;  // non-empty when padding or guards were written
+  std::string layout_error;  // non-empty when padding, guards or inputs were written
 };
 
 struct BackwardOptions {
@@ -134,6 +183,13 @@ struct BackwardOptions {
   bool skip_gamma = false;       // always skipped when rmsnorm is off
 };
 
+// Both caches (rms only applies with RMSNorm), or none.
+inline BackwardOptions WithCaches(bool caches) {
+  BackwardOptions o;
+  o.use_rms_cache = o.use_alpha_cache = caches;
+  return o;
+}
+
 struct BackwardOutput {
   attnres_status status = ATTNRES_OK;
   std::string error;
@@ -143,42 +199,86 @@ struct BackwardOutput {
   std::string layout_error;
 };
 
+// Where the device twins of a CUDA problem start, in elements past their
+// 256-byte aligned allocations: misaligned pointers on purpose. The CPU
+// backend ignores it.
+struct Placement {
+  std::vector<int64_t> sources, grads;  // per source; missing entries are 0
+  int64_t w = 0, gamma = 0, out = 0, grad_out = 0;
+};
+
 // Owns a problem laid out the way a caller with separate tensors would hold it:
 // every block, the partial block, w, gamma and every output in its own
-// allocation, rows `dim + pad` apart.
+// allocation, rows `dim + pad` apart, on one backend: the CPU (whichever ISA is
+// in force when a call is made) or the CUDA device, where every buffer has a
+// device twin. Before each call the inputs are uploaded and the outputs reset
+// to kOutputSentinel; after it every output is copied back whole, so that the
+// checks of padding, guards and untouched inputs are the same on both.
 class AbiProblem {
  public:
-  AbiProblem(const Case& c, const attnres::ref::Problem& p);
+  AbiProblem(const Case& c, const attnres::ref::Problem& p,
+             attnres_device device = ATTNRES_DEVICE_CPU, const Placement& at = {});
 
   const Case& config() const { return case_; }
-  // params with sizes, flags and inputs set; outputs NULL.
+  // CUDA: the cudaStream_t of every call (nullptr, the default, is the legacy
+  // stream).
+  void set_stream(void* stream) { stream_ = stream; }
+  // params with sizes, flags and inputs set; outputs NULL. For CUDA the inputs
+  // are those uploaded by the constructor or the last Prepare*.
   attnres_params InputParams() const;
 
   ForwardOutput Forward(bool want_rms_cache, bool want_alpha_cache);
+  // Runs a forward first when the options ask for caches no forward has left.
   BackwardOutput Backward(const std::vector<double>& grad_out,
                           const BackwardOptions& options);
 
-  // Direct access for tests that poke at storage.
+  // Forward and Backward in halves, for a test that makes the call itself (a
+  // CUDA graph capture, a broken argument): Prepare* uploads the inputs,
+  // resets the call's outputs and returns its params; Read* (after the call
+  // has completed) reads the outputs back and checks the layout.
+  attnres_params PrepareForward(bool want_rms_cache, bool want_alpha_cache);
+  ForwardOutput ReadForward();
+  attnres_params PrepareBackward(const std::vector<double>& grad_out,
+                                 const BackwardOptions& options);
+  BackwardOutput ReadBackward();
+
+  // True when no output byte (out, the caches, every gradient; padding and
+  // guards included) has changed since the last Prepare*.
+  bool OutputsUntouched();
+
+  // Host storage, for tests that poke at it (the next Prepare* uploads it).
   Buffer& source(int64_t i) { return sources_[i]; }
   Buffer& proj_weight() { return w_; }
   Buffer& gamma() { return gamma_; }
 
  private:
-  // Upcasts a strided [tokens, dim] tensor; checks padding and guard.
-  std::vector<double> ReadRows(const Buffer& b, int64_t stride, const char* name,
-                               std::string* layout_error) const;
+  bool Skipped(const BackwardOptions& o, int64_t i) const;
+  std::vector<std::pair<std::string, Buffer*>> Inputs(bool backward);
+  std::vector<Buffer*> Outputs();
+  // Uploads the inputs and remembers their hashes; snapshots the outputs.
+  void Ready(bool backward);
+  // Downloads the inputs and reports any that changed since Ready.
+  void CheckInputs(bool backward, std::string* layout_error);
 
   Case case_;
   int64_t L_;
+  attnres_device device_;
+  void* stream_ = nullptr;
   std::vector<Buffer> sources_;  // L buffers, the partial block last
   std::vector<const void*> block_ptrs_;
   Buffer w_, gamma_;
   Buffer out_, rms_cache_, alpha_cache_;
-  bool caches_valid_ = false;
   Buffer grad_out_;
   std::vector<Buffer> grad_sources_;
   std::vector<void*> grad_block_ptrs_;
   Buffer grad_w_, grad_gamma_;
+
+  bool want_rms_ = false, want_alpha_ = false;  // of the last PrepareForward
+  BackwardOptions backward_;                     // of the last PrepareBackward
+  bool caches_valid_ = false;
+  std::vector<uint64_t> input_hashes_;  // at the last Prepare*
+  std::vector<uint64_t> cache_hashes_;  // as the last forward left the caches
+  std::vector<uint64_t> output_hashes_; // at the last Prepare*
 };
 
 // ---------------------------------------------------------------------------
@@ -203,8 +303,16 @@ struct Tolerance {
 // SPEC §3.
 Tolerance ToleranceFor(attnres_dtype dtype);
 
+// A successful call, untouched padding, guards and inputs, and every output
+// within ToleranceFor(c.dtype) of the oracle: the caches when `caches` (rms with
+// RMSNorm), each gradient not skipped by `o`.
+void ExpectForwardClose(const Case& c, const ForwardOutput& got,
+                        const attnres::ref::ForwardResult& ref, bool caches);
+void ExpectBackwardClose(const Case& c, const BackwardOutput& got,
+                         const attnres::ref::BackwardResult& ref, const BackwardOptions& o);
+
 // ---------------------------------------------------------------------------
-// CPU ISAs.
+// Backends.
 
 // The names attnres_set_cpu_isa accepts on this machine, best first
 // (attnres_cpu_isas() split at its spaces).
@@ -212,6 +320,45 @@ std::vector<std::string> AvailableIsas();
 // Runs `body` once per available ISA, with that ISA forced and a SCOPED_TRACE
 // naming it; restores the automatic choice afterwards.
 void ForEachIsa(const std::function<void(const std::string& isa)>& body);
+
+struct Backend {
+  std::string name;       // a CPU ISA ("avx2", ..., "baseline") or "cuda"
+  attnres_device device;  // what AbiProblem is given
+};
+
+// Every CPU ISA (AvailableIsas()), then "cuda" when the tests were built with
+// ATTNRES_WITH_CUDA and a device is present.
+std::vector<Backend> AvailableBackends();
+// Runs `body` once per available backend with a SCOPED_TRACE naming it; a CPU
+// ISA is forced for its run, the automatic choice restored before the device's.
+void ForEachBackend(const std::function<void(const Backend& backend)>& body);
+
+// What this process's CUDA runtime says about devices (the tests link their
+// own runtime): the reason behind a skip, printed with it.
+std::string CudaRuntimeStatus();
+
+#define ATTNRES_SKIP_WITHOUT_CUDA()                               \
+  do {                                                            \
+    if (!attnres_cuda_available()) {                              \
+      GTEST_SKIP() << "skipped: no CUDA device ("                 \
+                   << ::attnres_test::CudaRuntimeStatus() << ")"; \
+    }                                                             \
+  } while (0)
+
+// Sets an environment variable (a knob such as ATTNRES_CUDA_MAX_CTAS) for the
+// life of the object.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value);
+  ~ScopedEnv();
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
 
 // Bitwise equality of two double vectors (NaNs with equal payloads compare equal).
 bool BitwiseEqual(const std::vector<double>& a, const std::vector<double>& b);
