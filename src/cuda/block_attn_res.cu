@@ -120,6 +120,59 @@ attnres_status ReduceWeightGrads(const attnres_params& p, const void* partials, 
   return CheckLaunch("ReduceRowsKernel");
 }
 
+// The scratch of a backward or generic launch, held until the launcher returns
+// (each buffer is freed on the stream, after the launches that use it): the
+// pointer tables for more than kMaxInlineSources sources, the statistics, the
+// U partial rows. Each is allocated only when needed.
+struct LaunchScratch {
+  LaunchScratch(const Device& device, cudaStream_t stream)
+      : stream(stream),
+        source_table(device, stream),
+        grad_table(device, stream),
+        stats(device, stream),
+        partials(device, stream) {}
+
+  // The kernel's pointer tables: the L sources, and the L source gradients
+  // (backward) or none (forward).
+  template <typename Args>
+  attnres_status FillTables(const attnres_params& p, bool backward, Args* args) {
+    if (attnres_status s =
+            FillPointerTable(SourcePointers(p), stream, &source_table, &args->sources);
+        s != ATTNRES_OK) {
+      return s;
+    }
+    return FillPointerTable(backward ? GradPointers(p) : std::vector<void*>(), stream, &grad_table,
+                            &args->grads);
+  }
+
+  cudaStream_t stream;
+  Scratch source_table, grad_table, stats, partials;
+};
+
+// The U partial rows (plan.h: one per chunk of kTokensPerRow tokens, dim Acc
+// each) when the call wants dw or dgamma (a backward only), else null.
+template <typename Acc>
+attnres_status AllocateURows(const attnres_params& p, bool backward, Scratch* storage, Acc** rows) {
+  *rows = nullptr;
+  if (!backward || (p.grad_proj_weight == nullptr && p.grad_gamma == nullptr)) return ATTNRES_OK;
+  const size_t bytes = plan::NumPartialRows(p.num_tokens) * p.dim * sizeof(Acc);
+  if (attnres_status s = storage->Allocate(bytes, "dw partial rows"); s != ATTNRES_OK) return s;
+  *rows = storage->get<Acc>();
+  return ATTNRES_OK;
+}
+
+// Launches a block-op kernel and, when it wrote U rows (u_rows not null: dw or
+// dgamma wanted), reduces them into dw and dgamma.
+template <typename T, typename Args>
+attnres_status LaunchAndReduce(void (*kernel)(Args), int grid, int threads, size_t shared_bytes,
+                               const Args& args, const std::string& name, const attnres_params& p,
+                               const void* u_rows, int64_t rows, cudaStream_t stream) {
+  kernel<<<grid, threads, shared_bytes, stream>>>(args);
+  if (attnres_status s = CheckLaunch(name); s != ATTNRES_OK) return s;
+  if (u_rows == nullptr) return ATTNRES_OK;
+  return ReduceWeightGrads<T>(p, u_rows, rows, stream);
+}
+
 template <typename T>
 attnres_status FusedForward(const attnres_params& p, const plan::Layout& layout,
                             const Device& device, cudaStream_t stream) {
@@ -136,8 +189,7 @@ attnres_status FusedForward(const attnres_params& p, const plan::Layout& layout,
   args.rms_cache = static_cast<float*>(p.rms_cache);
   args.alpha_cache = static_cast<float*>(p.alpha_cache);
   args.num_tokens = p.num_tokens;
-  args.source_row_stride = p.source_row_stride;
-  args.out_row_stride = p.out_row_stride;
+  args.strides = RowStridesOf(p);
   args.dim = static_cast<int>(p.dim);
   args.padded_dim = static_cast<int>(layout.row_chunks * kVec);
   args.num_sources = static_cast<int>(NumSources(p));
@@ -157,24 +209,16 @@ attnres_status FusedForward(const attnres_params& p, const plan::Layout& layout,
       s != ATTNRES_OK) {
     return s;
   }
-  kernel<<<grid, threads, shared_wg_bytes, stream>>>(args);
-  return CheckLaunch(name);
+  return LaunchAndReduce<T>(kernel, grid, threads, shared_wg_bytes, args, name, p, nullptr, 0,
+                           stream);
 }
 
 template <typename T>
 attnres_status FusedBackward(const attnres_params& p, plan::Layout layout, const Device& device,
                              cudaStream_t stream) {
   FusedBackwardArgs args;
-  Scratch source_table(device, stream), grad_table(device, stream), stats(device, stream),
-      partials(device, stream);
-  if (attnres_status s = FillPointerTable(SourcePointers(p), stream, &source_table, &args.sources);
-      s != ATTNRES_OK) {
-    return s;
-  }
-  if (attnres_status s = FillPointerTable(GradPointers(p), stream, &grad_table, &args.grads);
-      s != ATTNRES_OK) {
-    return s;
-  }
+  LaunchScratch scratch(device, stream);
+  if (attnres_status s = scratch.FillTables(p, true, &args); s != ATTNRES_OK) return s;
   const int64_t L = NumSources(p);
   const plan::StatsPlacement placement = plan::PlaceBackwardStats(L, &layout);
   const int threads = layout.group_threads * layout.groups_per_cta;
@@ -190,18 +234,14 @@ attnres_status FusedBackward(const attnres_params& p, plan::Layout layout, const
   args.stats_scratch = nullptr;
   if (!placement.shared) {
     const size_t bytes = int64_t{grid} * layout.groups_per_cta * placement.bytes_per_group;
-    if (attnres_status s = stats.Allocate(bytes, "backward statistics"); s != ATTNRES_OK) return s;
-    args.stats_scratch = stats.get<float>();
-  }
-  const bool want_u = p.grad_proj_weight != nullptr || p.grad_gamma != nullptr;
-  const int64_t rows = plan::NumPartialRows(p.num_tokens);
-  args.u_partials = nullptr;
-  if (want_u) {
-    if (attnres_status s = partials.Allocate(rows * p.dim * sizeof(float), "dw partial rows");
-        s != ATTNRES_OK) {
+    if (attnres_status s = scratch.stats.Allocate(bytes, "backward statistics"); s != ATTNRES_OK) {
       return s;
     }
-    args.u_partials = partials.get<float>();
+    args.stats_scratch = scratch.stats.get<float>();
+  }
+  if (attnres_status s = AllocateURows(p, true, &scratch.partials, &args.u_partials);
+      s != ATTNRES_OK) {
+    return s;
   }
   args.w = p.proj_weight;
   args.gamma = p.rmsnorm ? p.gamma : nullptr;
@@ -210,9 +250,7 @@ attnres_status FusedBackward(const attnres_params& p, plan::Layout layout, const
   args.alpha_cache = static_cast<const float*>(p.alpha_cache);
   args.num_tokens = p.num_tokens;
   args.num_items = items;
-  args.source_row_stride = p.source_row_stride;
-  args.grad_out_row_stride = p.grad_out_row_stride;
-  args.grad_row_stride = p.grad_source_row_stride;
+  args.strides = RowStridesOf(p);
   args.dim = static_cast<int>(p.dim);
   args.num_sources = static_cast<int>(L);
   args.group_threads = layout.group_threads;
@@ -221,10 +259,8 @@ attnres_status FusedBackward(const attnres_params& p, plan::Layout layout, const
   args.eps = static_cast<float>(p.eps);
   args.rmsnorm = p.rmsnorm != 0;
 
-  kernel<<<grid, threads, placement.dynamic_shared_bytes, stream>>>(args);
-  if (attnres_status s = CheckLaunch(name); s != ATTNRES_OK) return s;
-  if (!want_u) return ATTNRES_OK;
-  return ReduceWeightGrads<T>(p, partials.get<void>(), rows, stream);
+  return LaunchAndReduce<T>(kernel, grid, threads, placement.dynamic_shared_bytes, args, name, p,
+                           args.u_partials, plan::NumPartialRows(p.num_tokens), stream);
 }
 
 template <typename T>
@@ -232,18 +268,8 @@ attnres_status GenericLaunch(const attnres_params& p, bool backward, const Devic
                              cudaStream_t stream) {
   using Acc = typename Traits<T>::Acc;
   GenericArgs args;
-  Scratch source_table(device, stream), grad_table(device, stream), stats(device, stream),
-      partials(device, stream);
-  if (attnres_status s = FillPointerTable(SourcePointers(p), stream, &source_table, &args.sources);
-      s != ATTNRES_OK) {
-    return s;
-  }
-  std::vector<void*> grads;
-  if (backward) grads = GradPointers(p);
-  if (attnres_status s = FillPointerTable(grads, stream, &grad_table, &args.grads);
-      s != ATTNRES_OK) {
-    return s;
-  }
+  LaunchScratch scratch(device, stream);
+  if (attnres_status s = scratch.FillTables(p, backward, &args); s != ATTNRES_OK) return s;
   const int64_t L = NumSources(p);
   const int64_t rows = plan::NumPartialRows(p.num_tokens);
   const auto kernel = backward ? GenericBackwardKernel<T> : GenericForwardKernel<T>;
@@ -255,17 +281,14 @@ attnres_status GenericLaunch(const attnres_params& p, bool backward, const Devic
       s != ATTNRES_OK) {
     return s;
   }
-  if (attnres_status s = stats.Allocate(int64_t{grid} * 4 * L * sizeof(Acc), "statistics");
+  if (attnres_status s = scratch.stats.Allocate(int64_t{grid} * 4 * L * sizeof(Acc), "statistics");
       s != ATTNRES_OK) {
     return s;
   }
-  const bool want_u =
-      backward && (p.grad_proj_weight != nullptr || p.grad_gamma != nullptr);
-  if (want_u) {
-    if (attnres_status s = partials.Allocate(rows * p.dim * sizeof(Acc), "dw partial rows");
-        s != ATTNRES_OK) {
-      return s;
-    }
+  Acc* u_rows = nullptr;
+  if (attnres_status s = AllocateURows(p, backward, &scratch.partials, &u_rows);
+      s != ATTNRES_OK) {
+    return s;
   }
   args.w = p.proj_weight;
   args.gamma = p.rmsnorm ? p.gamma : nullptr;
@@ -273,24 +296,19 @@ attnres_status GenericLaunch(const attnres_params& p, bool backward, const Devic
   args.out = backward ? nullptr : p.out;
   args.rms_cache = p.rms_cache;
   args.alpha_cache = p.alpha_cache;
-  args.stats_scratch = stats.get<void>();
-  args.u_partials = want_u ? partials.get<void>() : nullptr;
+  args.stats_scratch = scratch.stats.get<void>();
+  args.u_partials = u_rows;
   args.num_tokens = p.num_tokens;
   args.num_chunks = rows;
   args.dim = p.dim;
-  args.source_row_stride = p.source_row_stride;
-  args.out_row_stride = p.out_row_stride;
-  args.grad_out_row_stride = p.grad_out_row_stride;
-  args.grad_row_stride = p.grad_source_row_stride;
+  args.strides = RowStridesOf(p);
   args.num_sources = static_cast<int>(L);
   args.scale = p.scale;
   args.eps = p.eps;
   args.rmsnorm = p.rmsnorm != 0;
 
-  kernel<<<grid, kGenericThreads, 0, stream>>>(args);
-  if (attnres_status s = CheckLaunch(name); s != ATTNRES_OK) return s;
-  if (!want_u) return ATTNRES_OK;
-  return ReduceWeightGrads<T>(p, partials.get<void>(), rows, stream);
+  return LaunchAndReduce<T>(kernel, grid, kGenericThreads, 0, args, name, p, args.u_partials, rows,
+                           stream);
 }
 
 template <typename T>

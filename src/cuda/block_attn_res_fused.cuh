@@ -36,15 +36,14 @@
 namespace attnres::cuda {
 
 struct FusedForwardArgs {
-  PointerTable<const void*> sources;  // L rows of [num_tokens, source_row_stride]
+  PointerTable<const void*> sources;  // L rows of [num_tokens, strides.source]
   const void* w;                      // [dim]
   const void* gamma;                  // [dim]; null: ones (always null without rmsnorm)
   void* out;
   float* rms_cache;    // [num_tokens, L] or null
   float* alpha_cache;  // [num_tokens, L] or null
   int64_t num_tokens;
-  int64_t source_row_stride;
-  int64_t out_row_stride;
+  RowStrides strides;  // source, out
   int dim;
   int padded_dim;  // row_chunks * kVec: the floats of wg in shared memory
   int num_sources;
@@ -66,9 +65,7 @@ struct FusedBackwardArgs {
   float* u_partials;         // [NumPartialRows(num_tokens), dim], or null (no dw/dgamma)
   int64_t num_tokens;
   int64_t num_items;         // plan::NumWorkItems
-  int64_t source_row_stride;
-  int64_t grad_out_row_stride;
-  int64_t grad_row_stride;
+  RowStrides strides;        // source, grad_out, grad_source
   int dim;
   int num_sources;
   int group_threads;
@@ -149,6 +146,7 @@ struct RowSlice {
   using Bits = typename C::Bits;
   using Raw = typename C::Raw;
   static constexpr int kVec = C::kVec;
+  static constexpr int kElems = kVec * kChunks;  // this thread's elements of a row
   int offset[kChunks];
   int count[kChunks];
 
@@ -186,32 +184,34 @@ struct RowSlice {
   }
 };
 
+// This thread's elements of the row at p, in fp32 (0 outside the row).
+template <typename T, int kChunks>
+__device__ __forceinline__ void LoadRowFloats(const RowSlice<T, kChunks>& slice, const void* p,
+                                              float (&x)[RowSlice<T, kChunks>::kElems]) {
+  using C = Chunk<T>;
+  constexpr int kVec = C::kVec;
+  typename C::Raw raw[kChunks];
+  slice.template Load<Hint::kDefault>(static_cast<const typename C::Bits*>(p), true, raw);
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    float v[kVec];
+    C::Unpack(raw[k], v);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) x[k * kVec + j] = v[j];
+  }
+}
+
 // wg = w * gamma in fp32, this thread's elements (0 outside the row).
 template <typename T, int kChunks>
 __device__ __forceinline__ void LoadWeights(const RowSlice<T, kChunks>& slice, const void* w,
                                             const void* gamma,
-                                            float (&wg)[Chunk<T>::kVec * kChunks]) {
-  using C = Chunk<T>;
-  using Bits = typename C::Bits;
-  constexpr int kVec = C::kVec;
-  typename C::Raw raw[kChunks];
-  slice.template Load<Hint::kDefault>(static_cast<const Bits*>(w), true, raw);
-#pragma unroll
-  for (int k = 0; k < kChunks; ++k) {
-    float x[kVec];
-    C::Unpack(raw[k], x);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) wg[k * kVec + j] = x[j];
-  }
+                                            float (&wg)[RowSlice<T, kChunks>::kElems]) {
+  LoadRowFloats(slice, w, wg);
   if (gamma != nullptr) {
-    slice.template Load<Hint::kDefault>(static_cast<const Bits*>(gamma), true, raw);
+    float g[RowSlice<T, kChunks>::kElems];
+    LoadRowFloats(slice, gamma, g);
 #pragma unroll
-    for (int k = 0; k < kChunks; ++k) {
-      float x[kVec];
-      C::Unpack(raw[k], x);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) wg[k * kVec + j] *= x[j];
-    }
+    for (int e = 0; e < RowSlice<T, kChunks>::kElems; ++e) wg[e] *= g[e];
   }
 }
 
@@ -247,15 +247,76 @@ __device__ __forceinline__ void LoadSharedChunk(const float* p, float (&x)[kVec]
   }
 }
 
+// ---------------------------------------------------------------------------
+// Forward, in steps. A token's sources go by one at a time; the row of source
+// i stays packed in registers (unpacking is a shift; registers are what limits
+// the rows in flight) and is unpacked where it is used, twice.
+
+// This thread's part of dot(wg, v_i) and sum(v_i^2), from the packed row.
+template <typename T, int kChunks>
+__device__ __forceinline__ void ForwardPartials(const RowSlice<T, kChunks>& slice,
+                                                const typename Chunk<T>::Raw (&row)[kChunks],
+                                                const float* shared_wg, float (&part)[2]) {
+  using C = Chunk<T>;
+  constexpr int kVec = C::kVec;
+  part[0] = 0.f;  // dot(wg, v_i)
+  part[1] = 0.f;  // sum(v_i^2)
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    if (slice.count[k] == 0) continue;  // keeps shared_wg reads inside [0, padded_dim)
+    float v[kVec], wg[kVec];
+    C::Unpack(row[k], v);
+    LoadSharedChunk<kVec>(shared_wg + slice.offset[k], wg);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      part[0] = fmaf(wg[j], v[j], part[0]);
+      part[1] = fmaf(v[j], v[j], part[1]);
+    }
+  }
+}
+
+// Folds the packed row of source i into the token's accumulator of h, as
+// math::OnlineSoftmax's step says: acc <- acc * rescale + weight * v_i (the
+// running max moved, so what was summed so far is rescaled).
+template <typename T, int kChunks>
+__device__ __forceinline__ void AccumulateRow(const typename Chunk<T>::Raw (&row)[kChunks],
+                                              const math::OnlineSoftmax<float>::Step& s,
+                                              float (&acc)[RowSlice<T, kChunks>::kElems]) {
+  using C = Chunk<T>;
+  constexpr int kVec = C::kVec;
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    float v[kVec];
+    C::Unpack(row[k], v);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      acc[k * kVec + j] = fmaf(acc[k * kVec + j], s.rescale, s.weight * v[j]);
+    }
+  }
+}
+
+// h = acc / denom: this thread's chunks of the token's output row.
+template <typename T, int kChunks>
+__device__ __forceinline__ void StoreOutput(const RowSlice<T, kChunks>& slice,
+                                            const float (&acc)[RowSlice<T, kChunks>::kElems],
+                                            float denom, typename Chunk<T>::Bits* out) {
+  using C = Chunk<T>;
+  constexpr int kVec = C::kVec;
+  const int bytes = AccessBytes(out);
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    float h[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) h[j] = acc[k * kVec + j] / denom;
+    slice.template Store<Hint::kDefault>(out, k, C::Pack(h), bytes);
+  }
+}
+
 template <typename T, int kChunks>
 __global__ void __launch_bounds__(ForwardMaxThreads(kChunks), ForwardMinCtas(kChunks))
     FusedForwardKernel(const __grid_constant__ FusedForwardArgs args) {
   using Slice = RowSlice<T, kChunks>;
-  using C = typename Slice::C;
   using Bits = typename Slice::Bits;
-  using Raw = typename Slice::Raw;
-  constexpr int kVec = Slice::kVec;
-  constexpr int kElems = kVec * kChunks;
   // Two slot arrays, alternated per source, so one barrier per source suffices.
   __shared__ float slots[2][kMaxWarpsPerCta][2];
   extern __shared__ float4 shared_wg_storage[];  // [padded_dim] floats, 16-byte aligned
@@ -273,33 +334,22 @@ __global__ void __launch_bounds__(ForwardMaxThreads(kChunks), ForwardMinCtas(kCh
   for (int64_t step = blockIdx.x; step < num_steps; step += gridDim.x) {
     const int64_t token = step * g.per_cta + g.index;
     const bool valid = token < args.num_tokens;
-    const int64_t row = valid ? token * args.source_row_stride : 0;
+    const int64_t row = valid ? token * args.strides.source : 0;
     const auto source_row = [&](int i) { return static_cast<const Bits*>(args.sources.Get(i)) + row; };
 
-    float acc[kElems];
+    float acc[Slice::kElems];
 #pragma unroll
-    for (int e = 0; e < kElems; ++e) acc[e] = 0.f;
+    for (int e = 0; e < Slice::kElems; ++e) acc[e] = 0.f;
     math::OnlineSoftmax<float> softmax;
 
-    Raw cur[kChunks], next[kChunks];
+    // The next source's row is loaded before the current one is reduced, so
+    // that two rows per thread are in flight.
+    typename Slice::Raw cur[kChunks], next[kChunks];
     slice.template Load<Hint::kStreaming>(source_row(0), valid, cur);
     for (int i = 0; i < num_sources; ++i) {
       if (i + 1 < num_sources) slice.template Load<Hint::kStreaming>(source_row(i + 1), valid, next);
-      // Rows stay packed in registers and are unpacked where used (twice):
-      // unpacking is a shift, registers are what limits rows in flight.
-      float part[2] = {0.f, 0.f};  // dot(wg, v_i), sum(v_i^2)
-#pragma unroll
-      for (int k = 0; k < kChunks; ++k) {
-        if (slice.count[k] == 0) continue;  // keeps shared_wg reads inside [0, padded_dim)
-        float v[kVec], wg[kVec];
-        C::Unpack(cur[k], v);
-        LoadSharedChunk<kVec>(shared_wg + slice.offset[k], wg);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          part[0] = fmaf(wg[j], v[j], part[0]);
-          part[1] = fmaf(v[j], v[j], part[1]);
-        }
-      }
+      float part[2];
+      ForwardPartials(slice, cur, shared_wg, part);
       GroupSum<2>(part, g, slots[phase]);
       phase ^= 1;
       const float rms = args.rmsnorm ? math::Rms(part[1], args.dim, args.eps) : 1.f;
@@ -310,30 +360,14 @@ __global__ void __launch_bounds__(ForwardMaxThreads(kChunks), ForwardMinCtas(kCh
         // The raw logit for now; rewritten as alpha once the max and sum are known.
         if (args.alpha_cache != nullptr) args.alpha_cache[at] = z;
       }
-      const math::OnlineSoftmax<float>::Step s = softmax.Add(z);
-#pragma unroll
-      for (int k = 0; k < kChunks; ++k) {
-        float v[kVec];
-        C::Unpack(cur[k], v);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          acc[k * kVec + j] = fmaf(acc[k * kVec + j], s.rescale, s.weight * v[j]);
-        }
-      }
+      AccumulateRow<T, kChunks>(cur, softmax.Add(z), acc);
 #pragma unroll
       for (int k = 0; k < kChunks; ++k) cur[k] = next[k];
     }
 
     if (valid) {
-      Bits* out = static_cast<Bits*>(args.out) + token * args.out_row_stride;
-      const int bytes = AccessBytes(out);
-#pragma unroll
-      for (int k = 0; k < kChunks; ++k) {
-        float h[kVec];
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) h[j] = acc[k * kVec + j] / softmax.denom;
-        slice.template Store<Hint::kDefault>(out, k, C::Pack(h), bytes);
-      }
+      StoreOutput(slice, acc, softmax.denom,
+                  static_cast<Bits*>(args.out) + token * args.strides.out);
     }
     if (args.alpha_cache != nullptr) {
       __syncthreads();  // makes thread 0's logit writes visible to its group
@@ -345,191 +379,269 @@ __global__ void __launch_bounds__(ForwardMaxThreads(kChunks), ForwardMinCtas(kCh
   }
 }
 
-template <typename T, int kChunks>
-__global__ void __launch_bounds__(BackwardMaxThreads(kChunks))
-    FusedBackwardKernel(const __grid_constant__ FusedBackwardArgs args) {
-  using Slice = RowSlice<T, kChunks>;
-  using C = typename Slice::C;
-  using Bits = typename Slice::Bits;
-  using Raw = typename Slice::Raw;
-  constexpr int kVec = Slice::kVec;
-  constexpr int kElems = kVec * kChunks;
-  extern __shared__ float shared_stats[];
+// ---------------------------------------------------------------------------
+// Backward, in steps. A token group's statistics (plan::BackwardStatsFloats
+// floats: in shared memory, or in the global scratch when L is too large for
+// it) are four rows of L, each reused as the computation moves on, then the
+// warp partials of pass 1.
+struct BackwardStats {
+  float* ga;        // dot(g, v_i), then gz_i, then a_i
+  float* z;         // dot(wg, v_i), then z_i, then b_i
+  float* r;         // sum(v_i^2), then r_i
+  float* alpha;     // alpha_i
+  float* partials;  // [L][W][3] warp partials when W > 1
+};
 
-  const Group g = MakeGroup(args.group_threads);
-  const Slice slice(g, args.dim);
+__device__ __forceinline__ BackwardStats GroupStats(const FusedBackwardArgs& args, const Group& g,
+                                                    float* shared_stats) {
   const int L = args.num_sources;
-
   float* stats = args.stats_scratch != nullptr
                      ? args.stats_scratch +
                            (static_cast<int64_t>(blockIdx.x) * g.per_cta + g.index) *
                                args.stats_floats
                      : shared_stats + g.index * args.stats_floats;
-  float* stat_ga = stats;             // dot(g, v_i), then gz_i, then a_i
-  float* stat_z = stats + L;          // dot(wg, v_i), then z_i, then b_i
-  float* stat_r = stats + 2 * L;      // sum(v_i^2), then r_i
-  float* stat_alpha = stats + 3 * L;  // alpha_i
-  float* partials = stats + 4 * L;    // [L][W][3] warp partials when W > 1
+  return {stats, stats + L, stats + 2 * L, stats + 3 * L, stats + 4 * L};
+}
 
-  float wg[kElems];
+// Pass 1: ga_i = dot(g, v_i), dot(wg, v_i) and sum(v_i^2) from one read of
+// each source (ld.global.cg: keep it in L2 for pass 2), the next row loaded
+// before the current one is reduced. Lane 0 of each warp leaves the warp's sums
+// in the statistics (with one warp per group) or in its partial slots, with no
+// barrier per source: GatherSourceStats adds the warps up after the last one.
+template <typename T, int kChunks, typename SourceRow>
+__device__ __forceinline__ void BackwardPass1(const RowSlice<T, kChunks>& slice, const Group& g,
+                                              int L, const SourceRow& source_row, bool valid,
+                                              const typename Chunk<T>::Raw (&grad)[kChunks],
+                                              const float (&wg)[RowSlice<T, kChunks>::kElems],
+                                              const BackwardStats& st) {
+  using C = Chunk<T>;
+  constexpr int kVec = C::kVec;
+  typename C::Raw cur[kChunks], next[kChunks];
+  slice.template Load<Hint::kKeepInL2>(source_row(0), valid, cur);
+  for (int i = 0; i < L; ++i) {
+    if (i + 1 < L) slice.template Load<Hint::kKeepInL2>(source_row(i + 1), valid, next);
+    float part[3] = {0.f, 0.f, 0.f};
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      float v[kVec], gv[kVec];
+      C::Unpack(cur[k], v);
+      C::Unpack(grad[k], gv);
+#pragma unroll
+      for (int jj = 0; jj < kVec; ++jj) {
+        part[0] = fmaf(gv[jj], v[jj], part[0]);
+        part[1] = fmaf(wg[k * kVec + jj], v[jj], part[1]);
+        part[2] = fmaf(v[jj], v[jj], part[2]);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < 3; ++q) part[q] = WarpSum(part[q]);
+    if (g.lane == 0) {
+      float* dst = g.warps == 1 ? nullptr : st.partials + (i * g.warps + g.warp) * 3;
+      if (dst == nullptr) {
+        st.ga[i] = part[0];
+        st.z[i] = part[1];
+        st.r[i] = part[2];
+      } else {
+        dst[0] = part[0];
+        dst[1] = part[1];
+        dst[2] = part[2];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) cur[k] = next[k];
+  }
+}
+
+// Per-source statistics after pass 1, one source per thread of the group: the
+// warp partials summed in warp order (deterministic), r_i (from the cache, else
+// math::Rms), z_i, and alpha_i when it is cached (else the softmax computes it).
+__device__ __forceinline__ void GatherSourceStats(const FusedBackwardArgs& args, const Group& g,
+                                                  int L, int64_t token, bool valid,
+                                                  const BackwardStats& st) {
+  for (int i = g.thread; i < L; i += g.threads) {
+    float ga, dot, sum_sq;
+    if (g.warps == 1) {
+      ga = st.ga[i];
+      dot = st.z[i];
+      sum_sq = st.r[i];
+    } else {
+      ga = dot = sum_sq = 0.f;
+      for (int w = 0; w < g.warps; ++w) {  // warp order: deterministic
+        const float* src = st.partials + (i * g.warps + w) * 3;
+        ga += src[0];
+        dot += src[1];
+        sum_sq += src[2];
+      }
+    }
+    float rms = 1.f;
+    if (args.rms_cache != nullptr) {
+      rms = valid ? args.rms_cache[token * L + i] : 1.f;
+    } else if (args.rmsnorm) {
+      rms = math::Rms(sum_sq, args.dim, args.eps);
+    }
+    st.ga[i] = ga;
+    st.z[i] = args.scale * (dot / rms);
+    st.r[i] = rms;
+    if (args.alpha_cache != nullptr) {
+      st.alpha[i] = valid ? args.alpha_cache[token * L + i] : 0.f;
+    }
+  }
+}
+
+// Once gz_i has replaced ga_i: math::KeyGradient, one source per thread, turns
+// it into a_i (in ga) and b_i (in z), the coefficients of pass 2.
+__device__ __forceinline__ void KeyGradients(const FusedBackwardArgs& args, const Group& g, int L,
+                                             const BackwardStats& st) {
+  for (int i = g.thread; i < L; i += g.threads) {
+    const math::KeyChain<float> chain =
+        math::KeyGradient(st.z[i], st.r[i], args.scale, args.dim, args.rmsnorm);
+    const float gz = st.ga[i];
+    st.ga[i] = gz * chain.a;
+    st.z[i] = gz * chain.b;
+  }
+}
+
+// Source i's share of pass 2, over this thread's chunks of the packed row:
+// dv_i = alpha_i g + a_i wg + b_i v_i, written evict-first straight into the
+// caller's gradient buffer when it is not null, and U += a_i v_i when add_u
+// (never for a token past the end: its statistics are garbage).
+template <typename T, int kChunks>
+__device__ __forceinline__ void SourceGradient(const FusedBackwardArgs& args,
+                                               const RowSlice<T, kChunks>& slice,
+                                               const BackwardStats& st, int i, int64_t token,
+                                               bool valid, bool add_u,
+                                               const typename Chunk<T>::Raw (&row)[kChunks],
+                                               const typename Chunk<T>::Raw (&grad)[kChunks],
+                                               const float (&wg)[RowSlice<T, kChunks>::kElems],
+                                               float (&u)[RowSlice<T, kChunks>::kElems]) {
+  using C = Chunk<T>;
+  using Bits = typename C::Bits;
+  constexpr int kVec = C::kVec;
+  const float alpha = st.alpha[i], a = st.ga[i], b = st.z[i];  // ga holds a_i, z holds b_i
+  Bits* dst = static_cast<Bits*>(args.grads.Get(i));
+  const bool write = dst != nullptr && valid;
+  if (write) dst += token * args.strides.grad_source;
+  const int bytes = write ? AccessBytes(dst) : 16;
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    float v[kVec], gv[kVec], dv[kVec];
+    C::Unpack(row[k], v);
+    C::Unpack(grad[k], gv);
+#pragma unroll
+    for (int jj = 0; jj < kVec; ++jj) {
+      dv[jj] = fmaf(alpha, gv[jj], fmaf(a, wg[k * kVec + jj], b * v[jj]));
+    }
+    if (write) slice.template Store<Hint::kStreaming>(dst, k, C::Pack(dv), bytes);
+    if (add_u) {
+#pragma unroll
+      for (int jj = 0; jj < kVec; ++jj) u[k * kVec + jj] = fmaf(a, v[jj], u[k * kVec + jj]);
+    }
+  }
+}
+
+// Pass 2: the sources reread newest-first (those pass 1 touched last are the
+// likeliest to still be in L2), the next needed row loaded before the current
+// one is used, each dv_i written once. A source whose gradient is null is
+// skipped, and not even reread unless U is wanted. (L and want_u come from the
+// kernel rather than from args: reading them here again costs the backward
+// registers.)
+template <typename T, int kChunks, typename SourceRow>
+__device__ __forceinline__ void BackwardPass2(const FusedBackwardArgs& args,
+                                              const RowSlice<T, kChunks>& slice, int L,
+                                              bool want_u, const SourceRow& source_row,
+                                              int64_t token, bool valid,
+                                              const typename Chunk<T>::Raw (&grad)[kChunks],
+                                              const float (&wg)[RowSlice<T, kChunks>::kElems],
+                                              const BackwardStats& st,
+                                              float (&u)[RowSlice<T, kChunks>::kElems]) {
+  auto needed = [&](int i) { return want_u || args.grads.Get(i) != nullptr; };
+  typename Chunk<T>::Raw cur[kChunks], next[kChunks];
+  int i = L - 1;
+  while (i >= 0 && !needed(i)) --i;
+  if (i >= 0) slice.template Load<Hint::kStreaming>(source_row(i), valid, cur);
+  while (i >= 0) {
+    int next_i = i - 1;
+    while (next_i >= 0 && !needed(next_i)) --next_i;
+    if (next_i >= 0) slice.template Load<Hint::kStreaming>(source_row(next_i), valid, next);
+    SourceGradient(args, slice, st, i, token, valid, want_u && valid, cur, grad, wg, u);
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) cur[k] = next[k];
+    i = next_i;
+  }
+}
+
+// The group's chunk of plan::kTokensPerRow tokens is done: its U (summed in
+// token order, in registers) goes to the chunk's own partial row, which
+// ReduceRowsKernel adds to the others in a fixed order.
+template <typename T, int kChunks>
+__device__ __forceinline__ void StoreUPartialRow(const RowSlice<T, kChunks>& slice,
+                                                 const float (&u)[RowSlice<T, kChunks>::kElems],
+                                                 float* dst) {
+  constexpr int kVec = Chunk<T>::kVec;
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+#pragma unroll
+    for (int jj = 0; jj < kVec; ++jj) {
+      if (jj < slice.count[k]) dst[slice.offset[k] + jj] = u[k * kVec + jj];
+    }
+  }
+}
+
+template <typename T, int kChunks>
+__global__ void __launch_bounds__(BackwardMaxThreads(kChunks))
+    FusedBackwardKernel(const __grid_constant__ FusedBackwardArgs args) {
+  using Slice = RowSlice<T, kChunks>;
+  using Bits = typename Slice::Bits;
+  extern __shared__ float shared_stats[];
+
+  const Group g = MakeGroup(args.group_threads);
+  const Slice slice(g, args.dim);
+  const int L = args.num_sources;
+  const BackwardStats st = GroupStats(args, g, shared_stats);
+
+  float wg[Slice::kElems];
   LoadWeights<T, kChunks>(slice, args.w, args.rmsnorm ? args.gamma : nullptr, wg);
   const bool want_u = args.u_partials != nullptr;
 
   for (int64_t item = blockIdx.x; item < args.num_items; item += gridDim.x) {
     const int64_t chunk = plan::ChunkOfItem(item, g.per_cta, g.index);
     const int64_t first_token = plan::FirstTokenOfChunk(chunk);
-    float u[kElems];
+    float u[Slice::kElems];
 #pragma unroll
-    for (int e = 0; e < kElems; ++e) u[e] = 0.f;
+    for (int e = 0; e < Slice::kElems; ++e) u[e] = 0.f;
 
     // Every group of the CTA runs kTokensPerRow steps (the barriers below are
     // CTA-wide); tokens past the end are computed as zeros and dropped.
     for (int j = 0; j < plan::kTokensPerRow; ++j) {
       const int64_t token = first_token + j;
       const bool valid = token < args.num_tokens;
-      const int64_t row = valid ? token * args.source_row_stride : 0;
+      const int64_t row = valid ? token * args.strides.source : 0;
       const auto source_row = [&](int i) { return static_cast<const Bits*>(args.sources.Get(i)) + row; };
       __syncthreads();  // the previous token's pass 2 is done reading the stats
 
-      Raw grad[kChunks];
+      typename Slice::Raw grad[kChunks];
       slice.template Load<Hint::kStreaming>(
-          static_cast<const Bits*>(args.grad_out) + (valid ? token * args.grad_out_row_stride : 0),
+          static_cast<const Bits*>(args.grad_out) + (valid ? token * args.strides.grad_out : 0),
           valid, grad);
-
-      // Pass 1: ga_i, dot(wg, v_i), sum(v_i^2) from one read of each source.
-      Raw cur[kChunks], next[kChunks];
-      slice.template Load<Hint::kKeepInL2>(source_row(0), valid, cur);
-      for (int i = 0; i < L; ++i) {
-        if (i + 1 < L) slice.template Load<Hint::kKeepInL2>(source_row(i + 1), valid, next);
-        float part[3] = {0.f, 0.f, 0.f};
-#pragma unroll
-        for (int k = 0; k < kChunks; ++k) {
-          float v[kVec], gv[kVec];
-          C::Unpack(cur[k], v);
-          C::Unpack(grad[k], gv);
-#pragma unroll
-          for (int jj = 0; jj < kVec; ++jj) {
-            part[0] = fmaf(gv[jj], v[jj], part[0]);
-            part[1] = fmaf(wg[k * kVec + jj], v[jj], part[1]);
-            part[2] = fmaf(v[jj], v[jj], part[2]);
-          }
-        }
-#pragma unroll
-        for (int q = 0; q < 3; ++q) part[q] = WarpSum(part[q]);
-        if (g.lane == 0) {
-          float* dst = g.warps == 1 ? nullptr : partials + (i * g.warps + g.warp) * 3;
-          if (dst == nullptr) {
-            stat_ga[i] = part[0];
-            stat_z[i] = part[1];
-            stat_r[i] = part[2];
-          } else {
-            dst[0] = part[0];
-            dst[1] = part[1];
-            dst[2] = part[2];
-          }
-        }
-#pragma unroll
-        for (int k = 0; k < kChunks; ++k) cur[k] = next[k];
-      }
+      BackwardPass1(slice, g, L, source_row, valid, grad, wg, st);
       __syncthreads();
-
-      // Per-source statistics, one source per thread of the group.
-      for (int i = g.thread; i < L; i += g.threads) {
-        float ga, dot, sum_sq;
-        if (g.warps == 1) {
-          ga = stat_ga[i];
-          dot = stat_z[i];
-          sum_sq = stat_r[i];
-        } else {
-          ga = dot = sum_sq = 0.f;
-          for (int w = 0; w < g.warps; ++w) {  // warp order: deterministic
-            const float* src = partials + (i * g.warps + w) * 3;
-            ga += src[0];
-            dot += src[1];
-            sum_sq += src[2];
-          }
-        }
-        float rms = 1.f;
-        if (args.rms_cache != nullptr) {
-          rms = valid ? args.rms_cache[token * L + i] : 1.f;
-        } else if (args.rmsnorm) {
-          rms = math::Rms(sum_sq, args.dim, args.eps);
-        }
-        stat_ga[i] = ga;
-        stat_z[i] = args.scale * (dot / rms);
-        stat_r[i] = rms;
-        if (args.alpha_cache != nullptr) {
-          stat_alpha[i] = valid ? args.alpha_cache[token * L + i] : 0.f;
-        }
-      }
+      GatherSourceStats(args, g, L, token, valid, st);
       __syncthreads();
-
       // The softmax (unless cached) and its backward over the token's L sources,
-      // in the pivot form, by one thread: gz replaces ga.
+      // in the pivot form, by one thread (a few flops per source against the
+      // 2 D bytes each source moves): gz replaces ga.
       if (g.thread == 0) {
-        if (args.alpha_cache == nullptr) math::Softmax(stat_z, stat_alpha, L);
-        math::SoftmaxBackward(stat_alpha, stat_ga, L, 0.f, stat_ga);
+        if (args.alpha_cache == nullptr) math::Softmax(st.z, st.alpha, L);
+        math::SoftmaxBackward(st.alpha, st.ga, L, 0.f, st.ga);
       }
       __syncthreads();
-
-      for (int i = g.thread; i < L; i += g.threads) {
-        const math::KeyChain<float> chain =
-            math::KeyGradient(stat_z[i], stat_r[i], args.scale, args.dim, args.rmsnorm);
-        const float gz = stat_ga[i];
-        stat_ga[i] = gz * chain.a;
-        stat_z[i] = gz * chain.b;
-      }
+      KeyGradients(args, g, L, st);
       __syncthreads();
-
-      // Pass 2: dv_i = alpha_i g + a_i wg + b_i v_i, newest-read source first.
-      const float* stat_a = stat_ga;
-      const float* stat_b = stat_z;
-      auto needed = [&](int i) { return want_u || args.grads.Get(i) != nullptr; };
-      int i = L - 1;
-      while (i >= 0 && !needed(i)) --i;
-      if (i >= 0) slice.template Load<Hint::kStreaming>(source_row(i), valid, cur);
-      while (i >= 0) {
-        int next_i = i - 1;
-        while (next_i >= 0 && !needed(next_i)) --next_i;
-        if (next_i >= 0) slice.template Load<Hint::kStreaming>(source_row(next_i), valid, next);
-        const float alpha = stat_alpha[i], a = stat_a[i], b = stat_b[i];
-        Bits* dst = static_cast<Bits*>(args.grads.Get(i));
-        const bool write = dst != nullptr && valid;
-        if (write) dst += token * args.grad_row_stride;
-        const int bytes = write ? AccessBytes(dst) : 16;
-#pragma unroll
-        for (int k = 0; k < kChunks; ++k) {
-          float v[kVec], gv[kVec], dv[kVec];
-          C::Unpack(cur[k], v);
-          C::Unpack(grad[k], gv);
-#pragma unroll
-          for (int jj = 0; jj < kVec; ++jj) {
-            dv[jj] = fmaf(alpha, gv[jj], fmaf(a, wg[k * kVec + jj], b * v[jj]));
-          }
-          if (write) slice.template Store<Hint::kStreaming>(dst, k, C::Pack(dv), bytes);
-          // Tokens past the end hold garbage stats: keep them out of U.
-          if (want_u && valid) {
-#pragma unroll
-            for (int jj = 0; jj < kVec; ++jj) {
-              u[k * kVec + jj] = fmaf(a, v[jj], u[k * kVec + jj]);
-            }
-          }
-        }
-#pragma unroll
-        for (int k = 0; k < kChunks; ++k) cur[k] = next[k];
-        i = next_i;
-      }
+      BackwardPass2(args, slice, L, want_u, source_row, token, valid, grad, wg, st, u);
     }
 
     if (want_u && first_token < args.num_tokens) {
-      float* dst = args.u_partials + chunk * args.dim;
-#pragma unroll
-      for (int k = 0; k < kChunks; ++k) {
-#pragma unroll
-        for (int jj = 0; jj < kVec; ++jj) {
-          if (jj < slice.count[k]) dst[slice.offset[k] + jj] = u[k * kVec + jj];
-        }
-      }
+      StoreUPartialRow(slice, u, args.u_partials + chunk * args.dim);
     }
   }
 }

@@ -35,10 +35,7 @@ struct GenericArgs {
   int64_t num_tokens;
   int64_t num_chunks;  // backward: plan::NumPartialRows(num_tokens)
   int64_t dim;
-  int64_t source_row_stride;
-  int64_t out_row_stride;
-  int64_t grad_out_row_stride;
-  int64_t grad_row_stride;
+  RowStrides strides;
   int num_sources;
   double scale;
   double eps;
@@ -75,6 +72,25 @@ __device__ __forceinline__ typename Traits<T>::Acc WeightTimesGamma(const Generi
   return args.gamma != nullptr ? w * LoadAcc<T>(args.gamma, d) : w;
 }
 
+// A CTA's statistics of its current token, as rows of L: its slice of the
+// scratch, 4 L values of Acc (the host allocates one slice per CTA). One layout
+// for both kernels; the forward uses z and alpha only.
+template <typename Acc>
+struct CtaStats {
+  Acc* ga;     // backward: dot(g, v_i), then gz_i, then a_i
+  Acc* z;      // z_i (backward: dot(wg, v_i) first, b_i last)
+  Acc* r;      // backward: sum(v_i^2), then r_i
+  Acc* alpha;  // alpha_i
+
+  __device__ __forceinline__ explicit CtaStats(const GenericArgs& args) {
+    const int L = args.num_sources;
+    ga = static_cast<Acc*>(args.stats_scratch) + static_cast<int64_t>(blockIdx.x) * 4 * L;
+    z = ga + L;
+    r = ga + 2 * L;
+    alpha = ga + 3 * L;
+  }
+};
+
 template <typename T>
 __global__ void __launch_bounds__(kGenericThreads)
     GenericForwardKernel(const __grid_constant__ GenericArgs args) {
@@ -82,13 +98,14 @@ __global__ void __launch_bounds__(kGenericThreads)
   __shared__ Acc slots[kMaxWarpsPerCta][2];
   const int L = args.num_sources;
   const Acc scale = static_cast<Acc>(args.scale), eps = static_cast<Acc>(args.eps);
-  Acc* z = static_cast<Acc*>(args.stats_scratch) + static_cast<int64_t>(blockIdx.x) * 4 * L;
-  Acc* alpha = z + L;
+  const CtaStats<Acc> stats(args);
+  Acc* z = stats.z;
+  Acc* alpha = stats.alpha;
   Acc* rms_cache = static_cast<Acc*>(args.rms_cache);
   Acc* alpha_cache = static_cast<Acc*>(args.alpha_cache);
 
   for (int64_t token = blockIdx.x; token < args.num_tokens; token += gridDim.x) {
-    const int64_t row = token * args.source_row_stride;
+    const int64_t row = token * args.strides.source;
     for (int i = 0; i < L; ++i) {
       const void* src = args.sources.Get(i);
       Acc part[2] = {0, 0};  // dot(wg, v_i), sum(v_i^2)
@@ -114,7 +131,7 @@ __global__ void __launch_bounds__(kGenericThreads)
     for (int64_t d = threadIdx.x; d < args.dim; d += blockDim.x) {
       Acc h = 0;
       for (int i = 0; i < L; ++i) h += alpha[i] * LoadAcc<T>(args.sources.Get(i), row + d);
-      StoreAcc<T>(args.out, token * args.out_row_stride + d, h);
+      StoreAcc<T>(args.out, token * args.strides.out + d, h);
     }
     __syncthreads();
   }
@@ -130,11 +147,11 @@ __global__ void __launch_bounds__(kGenericThreads)
   __shared__ Acc slots[kMaxWarpsPerCta][3];
   const int L = args.num_sources;
   const Acc scale = static_cast<Acc>(args.scale), eps = static_cast<Acc>(args.eps);
-  Acc* stats = static_cast<Acc*>(args.stats_scratch) + static_cast<int64_t>(blockIdx.x) * 4 * L;
-  Acc* stat_ga = stats;             // dot(g, v_i), then gz_i, then a_i
-  Acc* stat_z = stats + L;          // dot(wg, v_i), then z_i, then b_i
-  Acc* stat_r = stats + 2 * L;      // sum(v_i^2), then r_i
-  Acc* stat_alpha = stats + 3 * L;  // alpha_i
+  const CtaStats<Acc> stats(args);
+  Acc* stat_ga = stats.ga;
+  Acc* stat_z = stats.z;
+  Acc* stat_r = stats.r;
+  Acc* stat_alpha = stats.alpha;
   const Acc* rms_cache = static_cast<const Acc*>(args.rms_cache);
   const Acc* alpha_cache = static_cast<const Acc*>(args.alpha_cache);
 
@@ -144,8 +161,8 @@ __global__ void __launch_bounds__(kGenericThreads)
     for (int j = 0; j < plan::kTokensPerRow; ++j) {
       const int64_t token = plan::FirstTokenOfChunk(chunk) + j;
       if (token >= args.num_tokens) break;  // uniform across the CTA
-      const int64_t row = token * args.source_row_stride;
-      const int64_t grad_row = token * args.grad_out_row_stride;
+      const int64_t row = token * args.strides.source;
+      const int64_t grad_row = token * args.strides.grad_out;
       // Pass 1.
       for (int i = 0; i < L; ++i) {
         const void* src = args.sources.Get(i);
@@ -199,7 +216,7 @@ __global__ void __launch_bounds__(kGenericThreads)
           if (dst == nullptr && u_row == nullptr) continue;
           const Acc v = LoadAcc<T>(args.sources.Get(i), row + d);
           if (dst != nullptr) {
-            StoreAcc<T>(dst, token * args.grad_row_stride + d,
+            StoreAcc<T>(dst, token * args.strides.grad_source + d,
                         stat_alpha[i] * g + stat_ga[i] * wg + stat_z[i] * v);
           }
           u += stat_ga[i] * v;

@@ -52,6 +52,17 @@ struct InlinePointerTable {
 template <typename Ptr>
 using PointerTable = InlinePointerTable<Ptr, kMaxInlineSources>;
 
+// The row strides of a call, in elements (attnres_params: source_row_stride,
+// out_row_stride, grad_out_row_stride, grad_source_row_stride). Every kernel
+// argument struct carries one, filled from the params in one place
+// (runtime.h: RowStridesOf), so no op copies the four fields by hand.
+struct RowStrides {
+  int64_t source;       // every source row: blocks[i], partial (phase 2: o and p)
+  int64_t out;          // out (phase 1: every o_s)
+  int64_t grad_out;     // grad_out (phase 1: every g_s)
+  int64_t grad_source;  // every source gradient: grad_blocks[i], grad_partial (phase 2: grad_o)
+};
+
 // ---------------------------------------------------------------------------
 // Storage types. Kernels address memory as raw bit patterns (`Bits`) and convert
 // to the accumulation type (`Acc`) in registers; bf16 -> fp32 is a shift.
@@ -112,9 +123,6 @@ template <typename T>
 __device__ __forceinline__ void StoreAcc(void* base, int64_t index, typename Traits<T>::Acc x) {
   static_cast<typename Traits<T>::Bits*>(base)[index] = Traits<T>::FromAcc(x);
 }
-
-__device__ __forceinline__ float Max(float a, float b) { return fmaxf(a, b); }
-__device__ __forceinline__ double Max(double a, double b) { return fmax(a, b); }
 
 // ---------------------------------------------------------------------------
 // Row I/O in chunks of 16 bytes (8 bf16/fp16 or 4 fp32 elements).
@@ -182,6 +190,24 @@ struct Chunk {
     return LoadPartial<kHint>(p, kVec);
   }
 
+  // Element j of a chunk held as its four 32-bit words (Raw's layout).
+  static __device__ __forceinline__ Bits Element(const uint32_t (&words)[4], int j) {
+    if constexpr (sizeof(Bits) == 4) {
+      return static_cast<Bits>(words[j]);
+    } else {
+      return static_cast<Bits>(words[j / 2] >> (16 * (j % 2)));
+    }
+  }
+
+  // Sets element j of a chunk's words, which start as zeros.
+  static __device__ __forceinline__ void SetElement(uint32_t (&words)[4], int j, Bits x) {
+    if constexpr (sizeof(Bits) == 4) {
+      words[j] = x;
+    } else {
+      words[j / 2] |= static_cast<uint32_t>(x) << (16 * (j % 2));
+    }
+  }
+
   // The first n elements at p (element-wise accesses), the rest zero.
   template <Hint kHint>
   static __device__ __forceinline__ Raw LoadPartial(const Bits* p, int n) {
@@ -189,12 +215,7 @@ struct Chunk {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       if (j >= n) break;
-      const uint32_t x = LoadHinted<kHint>(p + j);
-      if constexpr (sizeof(Bits) == 4) {
-        words[j] = x;
-      } else {
-        words[j / 2] |= x << (16 * (j % 2));
-      }
+      SetElement(words, j, LoadHinted<kHint>(p + j));
     }
     return make_uint4(words[0], words[1], words[2], words[3]);
   }
@@ -225,9 +246,7 @@ struct Chunk {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       if (j >= n) break;
-      const Bits x = sizeof(Bits) == 4 ? static_cast<Bits>(words[j])
-                                       : static_cast<Bits>(words[j / 2] >> (16 * (j % 2)));
-      StoreHinted<kHint>(p + j, x);
+      StoreHinted<kHint>(p + j, Element(words, j));
     }
   }
 
@@ -235,30 +254,14 @@ struct Chunk {
 
   static __device__ __forceinline__ void Unpack(const Raw& raw, float (&out)[kVec]) {
     const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-    if constexpr (sizeof(Bits) == 4) {
 #pragma unroll
-      for (int k = 0; k < 4; ++k) out[k] = Traits<T>::ToAcc(words[k]);
-    } else {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        out[2 * k] = Traits<T>::ToAcc(static_cast<Bits>(words[k] & 0xFFFFu));
-        out[2 * k + 1] = Traits<T>::ToAcc(static_cast<Bits>(words[k] >> 16));
-      }
-    }
+    for (int j = 0; j < kVec; ++j) out[j] = Traits<T>::ToAcc(Element(words, j));
   }
 
   static __device__ __forceinline__ Raw Pack(const float (&in)[kVec]) {
-    uint32_t words[4];
-    if constexpr (sizeof(Bits) == 4) {
+    uint32_t words[4] = {0, 0, 0, 0};
 #pragma unroll
-      for (int k = 0; k < 4; ++k) words[k] = Traits<T>::FromAcc(in[k]);
-    } else {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        words[k] = static_cast<uint32_t>(Traits<T>::FromAcc(in[2 * k])) |
-                   (static_cast<uint32_t>(Traits<T>::FromAcc(in[2 * k + 1])) << 16);
-      }
-    }
+    for (int j = 0; j < kVec; ++j) SetElement(words, j, Traits<T>::FromAcc(in[j]));
     return make_uint4(words[0], words[1], words[2], words[3]);
   }
 };
@@ -271,15 +274,6 @@ __device__ __forceinline__ Acc WarpSum(Acc v) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
     v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
-  }
-  return v;
-}
-
-template <typename Acc>
-__device__ __forceinline__ Acc WarpMax(Acc v) {
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    v = Max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
   }
   return v;
 }

@@ -40,6 +40,11 @@ struct Device {
 };
 attnres_status CurrentDevice(cudaStream_t stream, Device* device);
 
+// The call's row strides, as every kernel argument struct carries them.
+inline RowStrides RowStridesOf(const attnres_params& p) {
+  return {p.source_row_stride, p.out_row_stride, p.grad_out_row_stride, p.grad_source_row_stride};
+}
+
 // ATTNRES_ERROR_INVALID_ARGUMENT naming `name` unless `ptr` is memory that
 // kernels on `device` may read and write: device memory of that device, or
 // managed memory. Host memory (pageable or pinned) and another device's memory

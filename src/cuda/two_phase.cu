@@ -176,6 +176,40 @@ __device__ __forceinline__ Acc Dot(const Acc (&x)[kVec], const Acc (&y)[kVec]) {
   return sum;
 }
 
+// How a call of either phase is cut up: its rows, in chunks of kVec elements,
+// and their strides; tokens in weight-gradient items of tokens_per_item tokens
+// (TokensPerItem). The host fills it in one place (ShapeOf).
+struct PhaseShape {
+  int64_t num_tokens;
+  int64_t tokens_per_item;
+  int64_t num_items;
+  int64_t dim;
+  int64_t row_chunks;  // ceil(dim / kVec)
+  RowStrides strides;
+
+  // The end of the item whose tokens start at `first`.
+  __device__ __forceinline__ int64_t ItemEnd(int64_t first) const {
+    return first + tokens_per_item < num_tokens ? first + tokens_per_item : num_tokens;
+  }
+};
+
+// The weight-gradient items' partial rows: element e of chunk c of this
+// item's row of dim Acc gets value(e), stored by the item's first token and
+// added by the others. Each element belongs to one thread for all of the
+// item's tokens: no atomics, no zeroing beforehand. value(e) is computed only
+// for elements inside the row.
+template <int kVec, typename Acc, typename Value>
+__device__ __forceinline__ void AddToItemRow(Acc* row, int64_t c, int64_t dim, bool first_token,
+                                             const Value& value) {
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    const int64_t d = c * kVec + e;
+    if (d >= dim) break;
+    const Acc x = value(e);
+    row[d] = first_token ? x : row[d] + x;
+  }
+}
+
 // ---------------------------------------------------------------------------
 // u_s = w_s * gamma_s (gamma_s = 1 when absent or without rmsnorm), rows padded
 // with zeros to `padded`, then, for phase 2's input norm, the norm weight (ones
@@ -208,24 +242,16 @@ __global__ void __launch_bounds__(256)
 // Phase 1.
 
 struct Phase1Args {
-  PointerTable<const void*> blocks;      // N rows of [num_tokens, source_row_stride]
+  PointerTable<const void*> blocks;      // N rows of [num_tokens, strides.source]
   PointerTable<void*> grad_blocks;       // backward: N entries, null = not wanted
-  QueryTable<void*> outs;                // forward: o_s [num_tokens, out_row_stride]
+  QueryTable<void*> outs;                // forward: o_s [num_tokens, strides.out]
   QueryTable<void*> lses;                // forward: lse_s, Acc [num_tokens]
   QueryTable<const void*> grad_outs;     // backward: g_s, null = zero
   QueryTable<const void*> grad_lses;     // backward: e_s, Acc [num_tokens], null = zero
   const void* u;                         // Acc [S, row_chunks * kVec]
   void* stats_global;                    // Acc [gridDim.x, stats_elems], or null: shared
   void* u_partials;                      // backward: Acc [num_items, S, dim], or null
-  int64_t num_tokens;
-  int64_t tokens_per_item;
-  int64_t num_items;
-  int64_t dim;
-  int64_t row_chunks;
-  int64_t source_row_stride;
-  int64_t out_row_stride;
-  int64_t grad_out_row_stride;
-  int64_t grad_source_row_stride;
+  PhaseShape shape;
   int64_t stats_elems;
   int64_t num_blocks;   // N
   int64_t num_queries;  // S
@@ -248,6 +274,47 @@ int64_t Phase1StatsElems(int64_t N, int64_t S, int warps, bool backward) {
   return warps * N * K + N + 2 * S * N + (backward ? 2 * S * N + N : 0);
 }
 
+// Pass 2 of a token's phase 1, for each of this thread's chunks c and each
+// query s: chunk c of sum_i coef_{s,i} v_i over the token's N block rows, in
+// block order, handed to use(s, c, sum). That is o_s in the forward (coef = a)
+// and the token's share of U_s in the backward (coef = c). The rows are
+// reread from cache (pass 1 just read them), each chunk converted once per
+// group of kQueryGroup queries. (N, S and dim come from the kernel rather than
+// from args: reading them here again costs registers.)
+template <typename T, typename Use>
+__device__ __forceinline__ void ForEachWeightedRowSum(const Phase1Args& args, int64_t N, int64_t S,
+                                                      int64_t dim, int64_t t,
+                                                      const typename Io<T>::Acc* coef,
+                                                      const Use& use) {
+  using IO = Io<T>;
+  using Acc = typename IO::Acc;
+  using Bits = typename IO::Bits;
+  constexpr int kVec = IO::kVec;
+  for (int64_t c = threadIdx.x; c < args.shape.row_chunks; c += blockDim.x) {
+    for (int64_t s0 = 0; s0 < S; s0 += kQueryGroup) {
+      Acc acc[kQueryGroup][kVec] = {};
+      for (int64_t i = 0; i < N; ++i) {
+        const Bits* v =
+            IO::Row(args.blocks.Get(static_cast<int>(i)), t, args.shape.strides.source);
+        Acc x[kVec];
+        IO::Load(v, AccessBytes(v), c, dim, x);
+#pragma unroll
+        for (int q = 0; q < kQueryGroup; ++q) {
+          if (s0 + q >= S) break;
+          const Acc weight = coef[(s0 + q) * N + i];
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[q][e] += weight * x[e];
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < kQueryGroup; ++q) {
+        if (s0 + q >= S) break;
+        use(s0 + q, c, acc[q]);
+      }
+    }
+  }
+}
+
 template <typename T, bool kBackward>
 __global__ void __launch_bounds__(kPhase1MaxThreads)
     Phase1Kernel(const __grid_constant__ Phase1Args args) {
@@ -257,9 +324,10 @@ __global__ void __launch_bounds__(kPhase1MaxThreads)
   constexpr int kVec = IO::kVec;
   extern __shared__ __align__(16) unsigned char shared_stats[];
 
-  const int64_t N = args.num_blocks, S = args.num_queries, dim = args.dim;
+  const PhaseShape& shape = args.shape;
+  const int64_t N = args.num_blocks, S = args.num_queries, dim = shape.dim;
   const int64_t K = kBackward ? 2 * S + 1 : S + 1;  // dots per row: u_s, (g_s,) sum of squares
-  const int64_t padded = args.row_chunks * kVec;
+  const int64_t padded = shape.row_chunks * kVec;
   const int num_warps = blockDim.x / kWarpSize, warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   const Acc scale = static_cast<Acc>(args.scale), eps = static_cast<Acc>(args.eps);
@@ -275,14 +343,13 @@ __global__ void __launch_bounds__(kPhase1MaxThreads)
   Acc* bz = dz + S * N;                // backward [S, N]: dz_{s,i} * KeyChain b, summed into b_i
   Acc* b = bz + S * N;                 // backward [N]
 
-  for (int64_t item = blockIdx.x; item < args.num_items; item += gridDim.x) {
-    const int64_t first = item * args.tokens_per_item;
-    const int64_t end = first + args.tokens_per_item < args.num_tokens
-                            ? first + args.tokens_per_item : args.num_tokens;
+  for (int64_t item = blockIdx.x; item < shape.num_items; item += gridDim.x) {
+    const int64_t first = item * shape.tokens_per_item;
+    const int64_t end = shape.ItemEnd(first);
     for (int64_t t = first; t < end; ++t) {
       // Pass 1: every block row once from memory; per warp, its partial sums.
       for (int64_t i = 0; i < N; ++i) {
-        const Bits* v = IO::Row(args.blocks.Get(static_cast<int>(i)), t, args.source_row_stride);
+        const Bits* v = IO::Row(args.blocks.Get(static_cast<int>(i)), t, shape.strides.source);
         const int v_bytes = AccessBytes(v);
         Acc* slot = slots + (warp * N + i) * K;
         for (int64_t s0 = 0; s0 < S; s0 += kQueryGroup) {
@@ -293,13 +360,13 @@ __global__ void __launch_bounds__(kPhase1MaxThreads)
             for (int q = 0; q < kQueryGroup; ++q) {
               const void* base = s0 + q < S ? args.grad_outs.Get(s0 + q) : nullptr;
               if (base != nullptr) {
-                g[q] = IO::Row(base, t, args.grad_out_row_stride);
+                g[q] = IO::Row(base, t, shape.strides.grad_out);
                 g_bytes[q] = AccessBytes(g[q]);
               }
             }
           }
           Acc dot_u[kQueryGroup] = {}, dot_g[kQueryGroup] = {}, sum_sq = 0;
-          for (int64_t c = threadIdx.x; c < args.row_chunks; c += blockDim.x) {
+          for (int64_t c = threadIdx.x; c < shape.row_chunks; c += blockDim.x) {
             Acc x[kVec];
             IO::Load(v, v_bytes, c, dim, x);
             if (s0 == 0) sum_sq += Dot(x, x);
@@ -367,30 +434,12 @@ __global__ void __launch_bounds__(kPhase1MaxThreads)
       }
       __syncthreads();
       if constexpr (!kBackward) {
-        // Pass 2: o_s = sum_i a_{s,i} v_i, the token's rows reread from cache.
-        for (int64_t c = threadIdx.x; c < args.row_chunks; c += blockDim.x) {
-          for (int64_t s0 = 0; s0 < S; s0 += kQueryGroup) {
-            Acc acc[kQueryGroup][kVec] = {};
-            for (int64_t i = 0; i < N; ++i) {
-              const Bits* v = IO::Row(args.blocks.Get(static_cast<int>(i)), t, args.source_row_stride);
-              Acc x[kVec];
-              IO::Load(v, AccessBytes(v), c, dim, x);
-#pragma unroll
-              for (int q = 0; q < kQueryGroup; ++q) {
-                if (s0 + q >= S) break;
-                const Acc weight = a[(s0 + q) * N + i];
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) acc[q][e] += weight * x[e];
-              }
-            }
-#pragma unroll
-            for (int q = 0; q < kQueryGroup; ++q) {
-              if (s0 + q >= S) break;
-              Bits* o = IO::Row(args.outs.Get(s0 + q), t, args.out_row_stride);
-              IO::Store(o, AccessBytes(o), c, dim, acc[q]);
-            }
-          }
-        }
+        // Pass 2: o_s = sum_i a_{s,i} v_i.
+        ForEachWeightedRowSum<T>(args, N, S, dim, t, a,
+                                 [&](int64_t s, int64_t c, const Acc (&o_s)[kVec]) {
+                                   Bits* o = IO::Row(args.outs.Get(s), t, shape.strides.out);
+                                   IO::Store(o, AccessBytes(o), c, dim, o_s);
+                                 });
       } else {
         // b_i = sum_s dz_{s,i} b_{s,i}, in query order.
         for (int64_t i = threadIdx.x; i < N; i += blockDim.x) {
@@ -401,7 +450,7 @@ __global__ void __launch_bounds__(kPhase1MaxThreads)
         __syncthreads();
         // Pass 2a: dv_i = b_i v_i + sum_s (a_{s,i} g_s + c_{s,i} u_s), kSourceGroup rows
         // at a time so that each g_s and u_s chunk is converted once per group.
-        for (int64_t c = threadIdx.x; args.any_grad_block && c < args.row_chunks;
+        for (int64_t c = threadIdx.x; args.any_grad_block && c < shape.row_chunks;
              c += blockDim.x) {
           for (int64_t i0 = 0; i0 < N; i0 += kSourceGroup) {
             Bits* dst[kSourceGroup] = {};
@@ -409,7 +458,7 @@ __global__ void __launch_bounds__(kPhase1MaxThreads)
 #pragma unroll
             for (int k = 0; k < kSourceGroup; ++k) {
               void* base = i0 + k < N ? args.grad_blocks.Get(static_cast<int>(i0 + k)) : nullptr;
-              if (base != nullptr) dst[k] = IO::Row(base, t, args.grad_source_row_stride);
+              if (base != nullptr) dst[k] = IO::Row(base, t, shape.strides.grad_source);
               any |= base != nullptr;
             }
             if (!any) continue;
@@ -418,7 +467,7 @@ __global__ void __launch_bounds__(kPhase1MaxThreads)
             for (int k = 0; k < kSourceGroup; ++k) {
               if (dst[k] == nullptr) continue;
               const Bits* v =
-                  IO::Row(args.blocks.Get(static_cast<int>(i0 + k)), t, args.source_row_stride);
+                  IO::Row(args.blocks.Get(static_cast<int>(i0 + k)), t, shape.strides.source);
               Acc x[kVec];
               IO::Load(v, AccessBytes(v), c, dim, x);
 #pragma unroll
@@ -429,7 +478,7 @@ __global__ void __launch_bounds__(kPhase1MaxThreads)
               IO::LoadWeights(u + s * padded, c, u_s);
               const void* g_base = args.grad_outs.Get(s);
               if (g_base != nullptr) {
-                const Bits* g = IO::Row(g_base, t, args.grad_out_row_stride);
+                const Bits* g = IO::Row(g_base, t, shape.strides.grad_out);
                 IO::Load(g, AccessBytes(g), c, dim, g_s);
               }
 #pragma unroll
@@ -456,39 +505,15 @@ __global__ void __launch_bounds__(kPhase1MaxThreads)
             }
           }
         }
-        // Pass 2b: U_s += sum_i c_{s,i} v_i into this item's partial rows; each
-        // element belongs to one thread for all of the item's tokens.
+        // Pass 2b: U_s += sum_i c_{s,i} v_i into this item's partial rows.
         if (args.u_partials != nullptr) {
           Acc* rows = static_cast<Acc*>(args.u_partials) + item * S * dim;
           const bool first_token = t == first;
-          for (int64_t c = threadIdx.x; c < args.row_chunks; c += blockDim.x) {
-            for (int64_t s0 = 0; s0 < S; s0 += kQueryGroup) {
-              Acc acc[kQueryGroup][kVec] = {};
-              for (int64_t i = 0; i < N; ++i) {
-                const Bits* v =
-                    IO::Row(args.blocks.Get(static_cast<int>(i)), t, args.source_row_stride);
-                Acc x[kVec];
-                IO::Load(v, AccessBytes(v), c, dim, x);
-#pragma unroll
-                for (int q = 0; q < kQueryGroup; ++q) {
-                  if (s0 + q >= S) break;
-                  const Acc coef = dz[(s0 + q) * N + i];
-#pragma unroll
-                  for (int e = 0; e < kVec; ++e) acc[q][e] += coef * x[e];
-                }
-              }
-#pragma unroll
-              for (int q = 0; q < kQueryGroup; ++q) {
-                if (s0 + q >= S) break;
-                Acc* row = rows + (s0 + q) * dim + c * kVec;
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) {
-                  if (c * kVec + e >= dim) break;
-                  row[e] = first_token ? acc[q][e] : row[e] + acc[q][e];
-                }
-              }
-            }
-          }
+          ForEachWeightedRowSum<T>(args, N, S, dim, t, dz,
+                                   [&](int64_t s, int64_t c, const Acc (&u_s)[kVec]) {
+                                     AddToItemRow<kVec>(rows + s * dim, c, dim, first_token,
+                                                        [&](int e) { return u_s[e]; });
+                                   });
         }
       }
       __syncthreads();  // the statistics are the next token's
@@ -500,7 +525,7 @@ __global__ void __launch_bounds__(kPhase1MaxThreads)
 // Phase 2.
 
 struct Phase2Args {
-  const void* o;            // phase 1's o, [num_tokens, source_row_stride]
+  const void* o;            // phase 1's o, [num_tokens, strides.source]
   const void* partial;      // or null: h = o
   const void* lse;          // Acc [num_tokens]; read only with a partial block
   const void* weights;      // Acc [1 + input_norm, row_chunks * kVec]: u, then the norm weight
@@ -511,15 +536,7 @@ struct Phase2Args {
   void* grad_partial;       // backward, optional
   void* u_partials;         // backward: Acc [num_items, dim], or null
   void* norm_partials;      // backward: Acc [num_items, dim], or null
-  int64_t num_tokens;
-  int64_t tokens_per_item;
-  int64_t num_items;
-  int64_t dim;
-  int64_t row_chunks;
-  int64_t source_row_stride;
-  int64_t out_row_stride;
-  int64_t grad_out_row_stride;
-  int64_t grad_source_row_stride;
+  PhaseShape shape;
   double scale;
   double eps;
   double norm_eps;
@@ -535,27 +552,27 @@ __global__ void __launch_bounds__(kPhase2Threads)
   using Bits = typename IO::Bits;
   constexpr int kVec = IO::kVec;
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t dim = args.dim, padded = args.row_chunks * kVec;
+  const PhaseShape& shape = args.shape;
+  const int64_t dim = shape.dim, padded = shape.row_chunks * kVec;
   const Acc* u = static_cast<const Acc*>(args.weights);
   const Acc* norm_weight = args.input_norm ? u + padded : nullptr;
   const Acc scale = static_cast<Acc>(args.scale);
 
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * kPhase2Warps + threadIdx.x / kWarpSize;
-       item < args.num_items; item += static_cast<int64_t>(gridDim.x) * kPhase2Warps) {
-    const int64_t first = item * args.tokens_per_item;
-    const int64_t end = first + args.tokens_per_item < args.num_tokens
-                            ? first + args.tokens_per_item : args.num_tokens;
+       item < shape.num_items; item += static_cast<int64_t>(gridDim.x) * kPhase2Warps) {
+    const int64_t first = item * shape.tokens_per_item;
+    const int64_t end = shape.ItemEnd(first);
     for (int64_t t = first; t < end; ++t) {
       const bool first_token = t == first;
-      const Bits* o = IO::Row(args.o, t, args.source_row_stride);
-      const Bits* p = args.partial != nullptr ? IO::Row(args.partial, t, args.source_row_stride)
+      const Bits* o = IO::Row(args.o, t, shape.strides.source);
+      const Bits* p = args.partial != nullptr ? IO::Row(args.partial, t, shape.strides.source)
                                               : nullptr;
       const int o_bytes = AccessBytes(o), p_bytes = p != nullptr ? AccessBytes(p) : 16;
       // The merge weight.
       Acc beta = 1, z = 0, r = 1;
       if (p != nullptr) {
         Acc dot = 0, sum_sq = 0;
-        for (int64_t c = lane; c < args.row_chunks; c += kWarpSize) {
+        for (int64_t c = lane; c < shape.row_chunks; c += kWarpSize) {
           Acc x[kVec], y[kVec];
           IO::Load(p, p_bytes, c, dim, x);
           IO::LoadWeights(u, c, y);
@@ -583,16 +600,16 @@ __global__ void __launch_bounds__(kPhase2Threads)
         Acc inv_rms = 1;
         if (args.input_norm) {
           Acc sum_sq = 0;
-          for (int64_t c = lane; c < args.row_chunks; c += kWarpSize) {
+          for (int64_t c = lane; c < shape.row_chunks; c += kWarpSize) {
             Acc h[kVec];
             h_of(c, h);
             sum_sq += Dot(h, h);
           }
           inv_rms = Acc(1) / math::Rms(WarpSum(sum_sq), dim, static_cast<Acc>(args.norm_eps));
         }
-        Bits* out = IO::Row(args.out, t, args.out_row_stride);
+        Bits* out = IO::Row(args.out, t, shape.strides.out);
         const int out_bytes = AccessBytes(out);
-        for (int64_t c = lane; c < args.row_chunks; c += kWarpSize) {
+        for (int64_t c = lane; c < shape.row_chunks; c += kWarpSize) {
           Acc h[kVec];
           h_of(c, h);
           if (args.input_norm) {
@@ -604,13 +621,13 @@ __global__ void __launch_bounds__(kPhase2Threads)
           IO::Store(out, out_bytes, c, dim, h);
         }
       } else {
-        const Bits* g = IO::Row(args.grad_out, t, args.grad_out_row_stride);
+        const Bits* g = IO::Row(args.grad_out, t, shape.strides.grad_out);
         const int g_bytes = AccessBytes(g);
         // With the input norm, h' = h / r_h: dh = (g nw - h' dot(g nw, h') / dim) / r_h.
         Acc inv_rms = 1, proj = 0;
         if (args.input_norm) {
           Acc sum_sq = 0, gh = 0;
-          for (int64_t c = lane; c < args.row_chunks; c += kWarpSize) {
+          for (int64_t c = lane; c < shape.row_chunks; c += kWarpSize) {
             Acc h[kVec], gx[kVec], nw[kVec];
             h_of(c, h);
             IO::Load(g, g_bytes, c, dim, gx);
@@ -632,13 +649,13 @@ __global__ void __launch_bounds__(kPhase2Threads)
           for (int e = 0; e < kVec; ++e) dh[e] = (dh[e] * nw[e] - h[e] * inv_rms * proj) * inv_rms;
         };
         // do = beta dh, dbeta = dot(dh, o - p), dnorm_weight += g h / r_h.
-        Bits* grad_o = args.grad_o != nullptr ? IO::Row(args.grad_o, t, args.grad_source_row_stride)
+        Bits* grad_o = args.grad_o != nullptr ? IO::Row(args.grad_o, t, shape.strides.grad_source)
                                               : nullptr;
         const int grad_o_bytes = grad_o != nullptr ? AccessBytes(grad_o) : 16;
         Acc* norm_row =
             args.norm_partials != nullptr ? static_cast<Acc*>(args.norm_partials) + item * dim : nullptr;
         Acc dbeta = 0;
-        for (int64_t c = lane; c < args.row_chunks; c += kWarpSize) {
+        for (int64_t c = lane; c < shape.row_chunks; c += kWarpSize) {
           Acc h[kVec] = {}, dh[kVec];
           if (args.input_norm || norm_row != nullptr) h_of(c, h);
           dh_of(c, h, dh);
@@ -658,13 +675,8 @@ __global__ void __launch_bounds__(kPhase2Threads)
           if (norm_row != nullptr) {
             Acc gx[kVec];
             IO::Load(g, g_bytes, c, dim, gx);
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) {
-              const int64_t d = c * kVec + e;
-              if (d >= dim) break;
-              const Acc x = gx[e] * h[e] * inv_rms;
-              norm_row[d] = first_token ? x : norm_row[d] + x;
-            }
+            AddToItemRow<kVec>(norm_row, c, dim, first_token,
+                               [&](int e) { return gx[e] * h[e] * inv_rms; });
           }
         }
         const Acc dlse = p != nullptr ? WarpSum(dbeta) * beta * (Acc(1) - beta) : Acc(0);
@@ -682,20 +694,14 @@ __global__ void __launch_bounds__(kPhase2Threads)
         const math::KeyChain<Acc> chain = math::KeyGradient(z, r, scale, dim, args.rmsnorm);
         const Acc coef_u = -dlse * chain.a, coef_p = -dlse * chain.b;
         Bits* grad_p = args.grad_partial != nullptr
-                           ? IO::Row(args.grad_partial, t, args.grad_source_row_stride)
+                           ? IO::Row(args.grad_partial, t, shape.strides.grad_source)
                            : nullptr;
         const int grad_p_bytes = grad_p != nullptr ? AccessBytes(grad_p) : 16;
-        for (int64_t c = lane; c < args.row_chunks; c += kWarpSize) {
+        for (int64_t c = lane; c < shape.row_chunks; c += kWarpSize) {
           Acc px[kVec];
           IO::Load(p, p_bytes, c, dim, px);
           if (u_row != nullptr) {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) {
-              const int64_t d = c * kVec + e;
-              if (d >= dim) break;
-              const Acc x = coef_u * px[e];
-              u_row[d] = first_token ? x : u_row[d] + x;
-            }
+            AddToItemRow<kVec>(u_row, c, dim, first_token, [&](int e) { return coef_u * px[e]; });
           }
           if (grad_p == nullptr) continue;
           Acc h[kVec] = {}, dh[kVec], uc[kVec];
@@ -785,6 +791,21 @@ struct Call {
   bool weight_grads;
 };
 
+// The call's PhaseShape, for either phase: an item writes rows_per_item
+// partial rows of dim Acc (phase 1: the S rows of U; phase 2: U and the norm
+// weight's), so the budget of TokensPerItem knows their size.
+template <typename T>
+PhaseShape ShapeOf(const Call& call, int64_t rows_per_item) {
+  constexpr int kVec = Io<T>::kVec;
+  const attnres_params& p = call.p;
+  const int64_t tokens_per_item =
+      call.weight_grads ? TokensPerItem(p.num_tokens, rows_per_item, p.dim,
+                                        sizeof(typename Traits<T>::Acc))
+                        : 1;
+  return {p.num_tokens, tokens_per_item, (p.num_tokens + tokens_per_item - 1) / tokens_per_item,
+          p.dim, (p.dim + kVec - 1) / kVec, RowStridesOf(p)};
+}
+
 std::string KernelName(const char* kernel, const Call& call) {
   return std::string(kernel) + "<" + DtypeName(call.p.dtype) +
          (call.backward ? ", backward>" : ", forward>");
@@ -861,14 +882,11 @@ attnres_status RunPhase1(const Call& call) {
       partials(call.device, call.stream);
 
   Phase1Args args;
-  args.row_chunks = (p.dim + kVec - 1) / kVec;
-  const int64_t padded = args.row_chunks * kVec;
-  const int64_t tokens_per_item =
-      call.weight_grads ? TokensPerItem(tokens, S, p.dim, sizeof(Acc)) : 1;
-  args.num_items = (tokens + tokens_per_item - 1) / tokens_per_item;
+  args.shape = ShapeOf<T>(call, S);
+  const int64_t padded = args.shape.row_chunks * kVec;
   if (call.weight_grads) {
     // Every item writes all of its rows (its first token stores, the rest add).
-    if (attnres_status s = partials.Allocate(args.num_items * S * p.dim * sizeof(Acc),
+    if (attnres_status s = partials.Allocate(args.shape.num_items * S * p.dim * sizeof(Acc),
                                              "the dw/dgamma partial rows");
         s != ATTNRES_OK) {
       return s;
@@ -916,15 +934,16 @@ attnres_status RunPhase1(const Call& call) {
 
   // One thread per 16-byte chunk of a row, in whole warps, up to kPhase1MaxThreads.
   const int threads = static_cast<int>(std::clamp<int64_t>(
-      (args.row_chunks + kWarpSize - 1) / kWarpSize * kWarpSize, kWarpSize, kPhase1MaxThreads));
+      (args.shape.row_chunks + kWarpSize - 1) / kWarpSize * kWarpSize, kWarpSize,
+      kPhase1MaxThreads));
   args.stats_elems = Phase1StatsElems(N, S, threads / kWarpSize, call.backward);
   const size_t stats_bytes = static_cast<size_t>(args.stats_elems) * sizeof(Acc);
   const bool shared = stats_bytes <= kSharedStatsBudget;
   const auto kernel = call.backward ? Phase1Kernel<T, true> : Phase1Kernel<T, false>;
   const std::string name = KernelName("Phase1Kernel", call);
   int grid = 0;
-  if (attnres_status st = PersistentGrid(kernel, threads, shared ? stats_bytes : 0, args.num_items,
-                                         name, call.device, &grid);
+  if (attnres_status st = PersistentGrid(kernel, threads, shared ? stats_bytes : 0,
+                                         args.shape.num_items, name, call.device, &grid);
       st != ATTNRES_OK) {
     return st;
   }
@@ -939,13 +958,6 @@ attnres_status RunPhase1(const Call& call) {
     args.stats_global = stats.get<void>();
   }
   args.u_partials = call.weight_grads ? partials.get<void>() : nullptr;
-  args.num_tokens = tokens;
-  args.tokens_per_item = tokens_per_item;
-  args.dim = p.dim;
-  args.source_row_stride = p.source_row_stride;
-  args.out_row_stride = p.out_row_stride;
-  args.grad_out_row_stride = p.grad_out_row_stride;
-  args.grad_source_row_stride = p.grad_source_row_stride;
   args.num_blocks = N;
   args.num_queries = S;
   args.scale = p.scale;
@@ -956,7 +968,7 @@ attnres_status RunPhase1(const Call& call) {
   kernel<<<grid, threads, shared ? stats_bytes : 0, call.stream>>>(args);
   if (attnres_status st = CheckLaunch(name); st != ATTNRES_OK) return st;
   if (!call.weight_grads) return ATTNRES_OK;
-  return ReducePartials<T>(call, partials.get<void>(), nullptr, args.num_items);
+  return ReducePartials<T>(call, partials.get<void>(), nullptr, args.shape.num_items);
 }
 
 template <typename T>
@@ -968,15 +980,12 @@ attnres_status RunPhase2(const Call& call) {
   Scratch weights(call.device, call.stream), partials(call.device, call.stream);
 
   Phase2Args args;
-  args.row_chunks = (p.dim + kVec - 1) / kVec;
-  const int64_t padded = args.row_chunks * kVec;
+  args.shape = ShapeOf<T>(call, 2);
+  const int64_t padded = args.shape.row_chunks * kVec;
   const bool want_u = call.backward && (p.grad_proj_weight != nullptr || p.grad_gamma != nullptr);
   const bool want_norm = call.backward && p.grad_norm_weight != nullptr;
-  const int64_t tokens_per_item =
-      call.weight_grads ? TokensPerItem(tokens, 2, p.dim, sizeof(Acc)) : 1;
-  args.num_items = (tokens + tokens_per_item - 1) / tokens_per_item;
   // [items, dim] of U, then [items, dim] of the norm weight's gradient.
-  const int64_t rows_bytes = args.num_items * p.dim * static_cast<int64_t>(sizeof(Acc));
+  const int64_t rows_bytes = args.shape.num_items * p.dim * static_cast<int64_t>(sizeof(Acc));
   if (call.weight_grads) {
     if (attnres_status s = partials.Allocate(2 * rows_bytes, "the dw/dgamma/dnorm_weight partial rows");
         s != ATTNRES_OK) {
@@ -1002,13 +1011,6 @@ attnres_status RunPhase2(const Call& call) {
   args.grad_partial = call.backward ? p.grad_partial : nullptr;
   args.u_partials = want_u ? u_rows : nullptr;
   args.norm_partials = want_norm ? norm_rows : nullptr;
-  args.num_tokens = tokens;
-  args.tokens_per_item = tokens_per_item;
-  args.dim = p.dim;
-  args.source_row_stride = p.source_row_stride;
-  args.out_row_stride = p.out_row_stride;
-  args.grad_out_row_stride = p.grad_out_row_stride;
-  args.grad_source_row_stride = p.grad_source_row_stride;
   args.scale = p.scale;
   args.eps = p.eps;
   args.norm_eps = p.norm_eps;
@@ -1018,7 +1020,7 @@ attnres_status RunPhase2(const Call& call) {
   const auto kernel = call.backward ? Phase2Kernel<T, true> : Phase2Kernel<T, false>;
   const std::string name = KernelName("Phase2Kernel", call);
   int grid = 0;
-  const int64_t ctas = (args.num_items + kPhase2Warps - 1) / kPhase2Warps;
+  const int64_t ctas = (args.shape.num_items + kPhase2Warps - 1) / kPhase2Warps;
   if (attnres_status s = PersistentGrid(kernel, kPhase2Threads, 0, ctas, name, call.device, &grid);
       s != ATTNRES_OK) {
     return s;
@@ -1026,7 +1028,7 @@ attnres_status RunPhase2(const Call& call) {
   kernel<<<grid, kPhase2Threads, 0, call.stream>>>(args);
   if (attnres_status s = CheckLaunch(name); s != ATTNRES_OK) return s;
   if (!call.weight_grads) return ATTNRES_OK;
-  return ReducePartials<T>(call, u_rows, norm_rows, args.num_items);
+  return ReducePartials<T>(call, u_rows, norm_rows, args.shape.num_items);
 }
 
 template <typename T>
