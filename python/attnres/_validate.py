@@ -296,13 +296,18 @@ def plain_phase2(out: object, lse: object, partial: object, w: object, gamma: ob
     if head is None:
         return None
     dtype, shape, device = head
-    contiguous = _fold_alike(out.is_contiguous(), _ACCUMULATION[dtype], device, shape[:-1],
-                             (lse,))
-    if contiguous is not None and partial is not None:
+    if (lse.__class__ not in _PLAIN or lse.dtype is not _ACCUMULATION[dtype]
+            or lse.layout is not _STRIDED or lse.shape != shape[:-1]
+            or not (lse.is_cpu if device is None else lse.device == device)):
+        return None
+    contiguous = out.is_contiguous() and lse.is_contiguous()
+    if partial is not None:
         contiguous = _fold_alike(contiguous, dtype, device, shape, (partial,))
     if contiguous is not None:
-        contiguous = _fold_alike(contiguous, dtype, device, (shape[-1],),
-                                 (w, *(t for t in (gamma, norm_weight) if t is not None)))
+        vectors = (w,) if gamma is None else (w, gamma)
+        if norm_weight is not None:
+            vectors += (norm_weight,)
+        contiguous = _fold_alike(contiguous, dtype, device, (shape[-1],), vectors)
     if contiguous is None:
         return None
     requires_grad = grad and _any_requires_grad(out, lse, partial, w, gamma, norm_weight)
