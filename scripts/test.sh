@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every test: set up, build, C++ tests on every CPU kernel variant, the random
-# check against the reference, the same for aarch64 under qemu (cross-built), a
-# smoke run of the benchmark, the Python tests, then the C++ tests again under
+# check against the reference, the same for aarch64 under qemu (cross-built), the
+# CUDA kernels in CPU emulation against the reference (when the CUDA headers are
+# installed; no GPU needed), a smoke run of the benchmark, the Python tests, then the C++ tests again under
 # AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/) and a 60-second
 # libFuzzer run of the C ABI (build-fuzz/). Any sanitizer report fails the run.
 # ATTNRES_BUILD_JOBS sets -j of the sanitizer and fuzz builds (default: all
@@ -18,6 +19,12 @@ for isa in $(./build/attnres isas); do  # those compiled in that this CPU runs
 done
 echo "== aarch64 cross build, C++ tests and attnres check under qemu"
 bash scripts/test_aarch64.sh
+echo "== CUDA kernels in CPU emulation against the float64 reference"
+if [ -f "${CUDA_INCLUDE:-/usr/local/cuda/include}/cuda_runtime.h" ]; then
+  bash scripts/cuda_emulate.sh
+else
+  echo "skipped: no CUDA headers (the CUDA backend is not built either)"
+fi
 echo "== attnres bench smoke run (headline shape, one repeat; numbers not judged here)"
 ./build/attnres bench --json --headline --no-baseline --repeat 1 | python3 -c '
 import json, sys
