@@ -154,7 +154,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lib", required=True, help="path to libattnres.so (built with CUDA)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    ap.add_argument("--dims", default="1536,4096")
+    ap.add_argument("--dims", default="1536,4096,16384",
+                    help="16384: the wide-row fused kernels (bf16/fp16; fp32 rows past 4096)")
     ap.add_argument("--sources", default="9,17,33", help="L values (N blocks + the partial block)")
     ap.add_argument("--tokens", default="65536,262144")
     ap.add_argument("--budget-s", type=float, default=330.0,

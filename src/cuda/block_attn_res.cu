@@ -2,7 +2,7 @@
 // the caller's stream (attnres::CudaForward / CudaBackward).
 //
 // Dispatch (all of it lives here):
-//   bf16 / f16 / f32 rows that fit a token group's registers
+//   bf16 / f16 / f32 rows of up to 2048 16-byte chunks (plan.h's shapes)
 //     -> block_attn_res_fused.cuh, the shape plan::ChooseLayout picks from D
 //        alone (any alignment: accesses narrow per row where a row is not
 //        16-byte aligned, without changing which thread computes what);
@@ -80,10 +80,11 @@ using FusedBackwardFn = void (*)(FusedBackwardArgs);
 
 template <typename T>
 FusedForwardFn FusedForwardFor(int chunks) {
-  static_assert(ForwardMaxThreads(4) == 256 && ForwardMaxThreads(2) == 512 &&
-                    ForwardMaxThreads(1) == 1024,
+  static_assert(ForwardMaxThreads(8) == 256 && ForwardMaxThreads(4) == 256 &&
+                    ForwardMaxThreads(2) == 512 && ForwardMaxThreads(1) == 1024,
                 "plan::kForwardShapes and the instantiations below disagree");
   switch (chunks) {
+    case 8: return FusedForwardKernel<T, 8>;
     case 4: return FusedForwardKernel<T, 4>;
     case 2: return FusedForwardKernel<T, 2>;
     case 1: return FusedForwardKernel<T, 1>;
@@ -93,9 +94,11 @@ FusedForwardFn FusedForwardFor(int chunks) {
 
 template <typename T>
 FusedBackwardFn FusedBackwardFor(int chunks) {
-  static_assert(BackwardMaxThreads(2) == 512 && BackwardMaxThreads(1) == 512,
+  static_assert(BackwardMaxThreads(4) == 512 && BackwardMaxThreads(2) == 512 &&
+                    BackwardMaxThreads(1) == 512,
                 "plan::kBackwardShapes and the instantiations below disagree");
   switch (chunks) {
+    case 4: return FusedBackwardKernel<T, 4>;
     case 2: return FusedBackwardKernel<T, 2>;
     case 1: return FusedBackwardKernel<T, 1>;
   }
@@ -220,7 +223,7 @@ attnres_status FusedBackward(const attnres_params& p, plan::Layout layout, const
   LaunchScratch scratch(device, stream);
   if (attnres_status s = scratch.FillTables(p, true, &args); s != ATTNRES_OK) return s;
   const int64_t L = NumSources(p);
-  const plan::StatsPlacement placement = plan::PlaceBackwardStats(L, &layout);
+  const plan::StatsPlacement placement = plan::PlaceBackwardStats(L, Chunk<T>::kVec, &layout);
   const int threads = layout.group_threads * layout.groups_per_cta;
   const int64_t items = plan::NumWorkItems(p.num_tokens, layout.groups_per_cta);
   const FusedBackwardFn kernel = FusedBackwardFor<T>(layout.chunks);
@@ -255,6 +258,7 @@ attnres_status FusedBackward(const attnres_params& p, plan::Layout layout, const
   args.num_sources = static_cast<int>(L);
   args.group_threads = layout.group_threads;
   args.stats_floats = static_cast<int>(placement.bytes_per_group / sizeof(float));
+  args.weight_floats = static_cast<int>(placement.weight_bytes / sizeof(float));
   args.scale = static_cast<float>(p.scale);
   args.eps = static_cast<float>(p.eps);
   args.rmsnorm = p.rmsnorm != 0;

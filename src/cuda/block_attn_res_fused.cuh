@@ -2,6 +2,9 @@
 // W warps per token, the token's row of D elements cut into 16-byte chunks
 // (plan.h: Layout), chunk c owned by thread c % G of the group, kChunks chunks
 // per thread. The per-token math is core/token_math.h's, as on the CPU.
+// plan.h's shapes cover rows of up to 2048 chunks (16384 16-bit or 8192 fp32
+// elements); the widest (the 8-chunk forward, the 4-chunk backward) run one
+// token per CTA with wg = w * gamma in shared memory above the 48 KiB default.
 //
 // Forward (per token): one pass over the L sources, each row read once from HBM.
 //   For source i: partial dot(wg, v_i) and sum(v_i^2) per thread, reduced over
@@ -20,10 +23,11 @@
 //   each source moves); math::KeyGradient turns each gz_i into a_i, b_i.
 //   Pass 2 rereads the sources newest-first (the rows pass 1 touched last are the
 //   likeliest to still be in L2) and writes each dv_i once, evict-first, straight
-//   into the caller's gradient buffer. U = sum a_i v_i accumulates in registers
-//   over the group's chunk of plan::kTokensPerRow tokens, in token order, and is
-//   written as that chunk's partial row (plan.h: why that makes dw/dgamma
-//   independent of the grid and the GPU).
+//   into the caller's gradient buffer. wg stays in registers, or in shared
+//   memory for the 4-chunk kernel (BackwardWeights). U = sum a_i v_i
+//   accumulates in registers over the group's chunk of plan::kTokensPerRow
+//   tokens, in token order, and is written as that chunk's partial row (plan.h:
+//   why that makes dw/dgamma independent of the grid and the GPU).
 #ifndef ATTNRES_SRC_CUDA_BLOCK_ATTN_RES_FUSED_CUH_
 #define ATTNRES_SRC_CUDA_BLOCK_ATTN_RES_FUSED_CUH_
 
@@ -69,7 +73,8 @@ struct FusedBackwardArgs {
   int dim;
   int num_sources;
   int group_threads;
-  int stats_floats;  // per group: plan::BackwardStatsFloats
+  int stats_floats;   // per group: plan::BackwardStatsFloats
+  int weight_floats;  // wg at the start of shared memory (plan::BackwardSharesWeights), else 0
   float scale;
   float eps;
   bool rmsnorm;
@@ -86,7 +91,10 @@ constexpr int MaxThreadsOf(const plan::KernelShape (&shapes)[N], int chunks) {
   return 0;
 }
 constexpr int ForwardMaxThreads(int chunks) { return MaxThreadsOf(plan::kForwardShapes, chunks); }
-constexpr int ForwardMinCtas(int chunks) { return chunks >= 4 ? 2 : 1; }
+// Two CTAs of the 4-chunk forward per SM (at most 128 registers a thread); the
+// 8-chunk one (the widest rows) needs more than 128 for its accumulator and two
+// rows in flight.
+constexpr int ForwardMinCtas(int chunks) { return chunks == 4 ? 2 : 1; }
 constexpr int BackwardMaxThreads(int chunks) {
   return MaxThreadsOf(plan::kBackwardShapes, chunks);
 }
@@ -247,6 +255,39 @@ __device__ __forceinline__ void LoadSharedChunk(const float* p, float (&x)[kVec]
   }
 }
 
+// wg = w * gamma as the backward reads it, a chunk at a time: this thread's
+// elements in registers, or, for the kernels that would spill with them there
+// (plan::BackwardSharesWeights), the whole row in shared memory, zero-padded to
+// the group's chunk slots so that every chunk's read stays inside it.
+template <typename T, int kChunks>
+struct BackwardWeights {
+  static constexpr bool kShared = plan::BackwardSharesWeights(kChunks);
+  static constexpr int kVec = Chunk<T>::kVec;
+  float regs[kShared ? 1 : RowSlice<T, kChunks>::kElems];
+  const float* shared = nullptr;
+
+  __device__ __forceinline__ BackwardWeights(const RowSlice<T, kChunks>& slice,
+                                             const FusedBackwardArgs& args, float* shared_row) {
+    const void* gamma = args.rmsnorm ? args.gamma : nullptr;
+    if constexpr (kShared) {
+      FillSharedWeights<T>(args.w, gamma, args.dim, args.weight_floats, shared_row);
+      shared = shared_row;
+    } else {
+      LoadWeights<T, kChunks>(slice, args.w, gamma, regs);
+    }
+  }
+
+  __device__ __forceinline__ void Get(const RowSlice<T, kChunks>& slice, int k,
+                                      float (&wg)[kVec]) const {
+    if constexpr (kShared) {
+      LoadSharedChunk<kVec>(shared + slice.offset[k], wg);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) wg[j] = regs[k * kVec + j];
+    }
+  }
+};
+
 // ---------------------------------------------------------------------------
 // Forward, in steps. A token's sources go by one at a time; the row of source
 // i stays packed in registers (unpacking is a shift; registers are what limits
@@ -393,13 +434,13 @@ struct BackwardStats {
 };
 
 __device__ __forceinline__ BackwardStats GroupStats(const FusedBackwardArgs& args, const Group& g,
-                                                    float* shared_stats) {
+                                                    float* shared) {
   const int L = args.num_sources;
   float* stats = args.stats_scratch != nullptr
                      ? args.stats_scratch +
                            (static_cast<int64_t>(blockIdx.x) * g.per_cta + g.index) *
                                args.stats_floats
-                     : shared_stats + g.index * args.stats_floats;
+                     : shared + args.weight_floats + g.index * args.stats_floats;
   return {stats, stats + L, stats + 2 * L, stats + 3 * L, stats + 4 * L};
 }
 
@@ -412,7 +453,7 @@ template <typename T, int kChunks, typename SourceRow>
 __device__ __forceinline__ void BackwardPass1(const RowSlice<T, kChunks>& slice, const Group& g,
                                               int L, const SourceRow& source_row, bool valid,
                                               const typename Chunk<T>::Raw (&grad)[kChunks],
-                                              const float (&wg)[RowSlice<T, kChunks>::kElems],
+                                              const BackwardWeights<T, kChunks>& weights,
                                               const BackwardStats& st) {
   using C = Chunk<T>;
   constexpr int kVec = C::kVec;
@@ -423,13 +464,14 @@ __device__ __forceinline__ void BackwardPass1(const RowSlice<T, kChunks>& slice,
     float part[3] = {0.f, 0.f, 0.f};
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) {
-      float v[kVec], gv[kVec];
+      float v[kVec], gv[kVec], wg[kVec];
       C::Unpack(cur[k], v);
       C::Unpack(grad[k], gv);
+      weights.Get(slice, k, wg);
 #pragma unroll
       for (int jj = 0; jj < kVec; ++jj) {
         part[0] = fmaf(gv[jj], v[jj], part[0]);
-        part[1] = fmaf(wg[k * kVec + jj], v[jj], part[1]);
+        part[1] = fmaf(wg[jj], v[jj], part[1]);
         part[2] = fmaf(v[jj], v[jj], part[2]);
       }
     }
@@ -512,7 +554,7 @@ __device__ __forceinline__ void SourceGradient(const FusedBackwardArgs& args,
                                                bool valid, bool add_u,
                                                const typename Chunk<T>::Raw (&row)[kChunks],
                                                const typename Chunk<T>::Raw (&grad)[kChunks],
-                                               const float (&wg)[RowSlice<T, kChunks>::kElems],
+                                               const BackwardWeights<T, kChunks>& weights,
                                                float (&u)[RowSlice<T, kChunks>::kElems]) {
   using C = Chunk<T>;
   using Bits = typename C::Bits;
@@ -524,12 +566,13 @@ __device__ __forceinline__ void SourceGradient(const FusedBackwardArgs& args,
   const int bytes = write ? AccessBytes(dst) : 16;
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
-    float v[kVec], gv[kVec], dv[kVec];
+    float v[kVec], gv[kVec], wg[kVec], dv[kVec];
     C::Unpack(row[k], v);
     C::Unpack(grad[k], gv);
+    weights.Get(slice, k, wg);
 #pragma unroll
     for (int jj = 0; jj < kVec; ++jj) {
-      dv[jj] = fmaf(alpha, gv[jj], fmaf(a, wg[k * kVec + jj], b * v[jj]));
+      dv[jj] = fmaf(alpha, gv[jj], fmaf(a, wg[jj], b * v[jj]));
     }
     if (write) slice.template Store<Hint::kStreaming>(dst, k, C::Pack(dv), bytes);
     if (add_u) {
@@ -551,7 +594,7 @@ __device__ __forceinline__ void BackwardPass2(const FusedBackwardArgs& args,
                                               bool want_u, const SourceRow& source_row,
                                               int64_t token, bool valid,
                                               const typename Chunk<T>::Raw (&grad)[kChunks],
-                                              const float (&wg)[RowSlice<T, kChunks>::kElems],
+                                              const BackwardWeights<T, kChunks>& weights,
                                               const BackwardStats& st,
                                               float (&u)[RowSlice<T, kChunks>::kElems]) {
   auto needed = [&](int i) { return want_u || args.grads.Get(i) != nullptr; };
@@ -563,7 +606,7 @@ __device__ __forceinline__ void BackwardPass2(const FusedBackwardArgs& args,
     int next_i = i - 1;
     while (next_i >= 0 && !needed(next_i)) --next_i;
     if (next_i >= 0) slice.template Load<Hint::kStreaming>(source_row(next_i), valid, next);
-    SourceGradient(args, slice, st, i, token, valid, want_u && valid, cur, grad, wg, u);
+    SourceGradient(args, slice, st, i, token, valid, want_u && valid, cur, grad, weights, u);
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) cur[k] = next[k];
     i = next_i;
@@ -592,15 +635,14 @@ __global__ void __launch_bounds__(BackwardMaxThreads(kChunks))
     FusedBackwardKernel(const __grid_constant__ FusedBackwardArgs args) {
   using Slice = RowSlice<T, kChunks>;
   using Bits = typename Slice::Bits;
-  extern __shared__ float shared_stats[];
+  extern __shared__ float4 shared_storage[];  // [wg,] then the groups' statistics
+  float* shared = reinterpret_cast<float*>(shared_storage);
 
   const Group g = MakeGroup(args.group_threads);
   const Slice slice(g, args.dim);
   const int L = args.num_sources;
-  const BackwardStats st = GroupStats(args, g, shared_stats);
-
-  float wg[Slice::kElems];
-  LoadWeights<T, kChunks>(slice, args.w, args.rmsnorm ? args.gamma : nullptr, wg);
+  const BackwardStats st = GroupStats(args, g, shared);
+  const BackwardWeights<T, kChunks> weights(slice, args, shared);
   const bool want_u = args.u_partials != nullptr;
 
   for (int64_t item = blockIdx.x; item < args.num_items; item += gridDim.x) {
@@ -623,7 +665,7 @@ __global__ void __launch_bounds__(BackwardMaxThreads(kChunks))
       slice.template Load<Hint::kStreaming>(
           static_cast<const Bits*>(args.grad_out) + (valid ? token * args.strides.grad_out : 0),
           valid, grad);
-      BackwardPass1(slice, g, L, source_row, valid, grad, wg, st);
+      BackwardPass1(slice, g, L, source_row, valid, grad, weights, st);
       __syncthreads();
       GatherSourceStats(args, g, L, token, valid, st);
       __syncthreads();
@@ -637,7 +679,7 @@ __global__ void __launch_bounds__(BackwardMaxThreads(kChunks))
       __syncthreads();
       KeyGradients(args, g, L, st);
       __syncthreads();
-      BackwardPass2(args, slice, L, want_u, source_row, token, valid, grad, wg, st, u);
+      BackwardPass2(args, slice, L, want_u, source_row, token, valid, grad, weights, st, u);
     }
 
     if (want_u && first_token < args.num_tokens) {

@@ -32,6 +32,14 @@ constexpr int kTargetCtaThreads = 256;
 // Dynamic shared memory the backward uses without an opt-in: the 48 KiB every
 // device grants a CTA, less room for the kernels' static reduction slots.
 constexpr size_t kSharedStatsBudget = 46 * 1024;
+// Dynamic shared memory a CTA of the wide-row kernels may use (wg = w * gamma
+// for the whole row, plus the backward's statistics). Above 48 KiB a kernel must
+// opt in, and the host always asks for exactly this much (runtime.h:
+// PersistentGrid), so concurrent calls never disagree on the setting; every GPU
+// the library builds for grants it (99 KiB on sm_86/89/120, 163 KiB on sm_80,
+// 227 KiB on sm_90).
+constexpr size_t kDefaultSharedBytes = 48 * 1024;
+constexpr size_t kOptInSharedBytes = 96 * 1024;
 // Keeps every per-token index of the statistics (4 L + 3 W L floats) inside int.
 constexpr int64_t kMaxSources = int64_t{1} << 22;
 
@@ -43,12 +51,22 @@ struct KernelShape {
   int max_threads;
 };
 
-// The fused kernels that exist, most chunks per thread first (the order in which
-// ChooseLayout tries them). block_attn_res.cu instantiates exactly these and
-// static_asserts its launch bounds against them. The backward keeps g, wg and U
-// in registers next to two rows in flight, so it stops at 2 chunks per thread.
-inline constexpr KernelShape kForwardShapes[] = {{4, 256}, {2, 512}, {1, 1024}};
-inline constexpr KernelShape kBackwardShapes[] = {{2, 512}, {1, 512}};
+// The fused kernels that exist, in the order ChooseLayout tries them. The first
+// three of each list cover rows of up to 1024 chunks (8192 16-bit or 4096 fp32
+// elements); the last one, wider rows of up to 2048 chunks, and is never chosen
+// for a row the others take (its waste is never smaller: a row's waste with c
+// chunks per thread is the row rounded up to a multiple of 32 c chunks).
+// block_attn_res.cu instantiates exactly these and static_asserts its launch
+// bounds against them. The backward keeps g and U in registers next to two rows
+// in flight, so it stops at 2 chunks per thread with wg in registers, and at 4
+// with wg in shared memory (BackwardSharesWeights).
+inline constexpr KernelShape kForwardShapes[] = {{4, 256}, {2, 512}, {1, 1024}, {8, 256}};
+inline constexpr KernelShape kBackwardShapes[] = {{2, 512}, {1, 512}, {4, 512}};
+
+// Whether the backward kernel with `chunks` per thread reads wg = w * gamma from
+// shared memory (the whole row, zero-padded to the group's chunk slots) rather
+// than keeping its elements in registers.
+constexpr bool BackwardSharesWeights(int chunks) { return chunks >= 4; }
 
 // Elements per chunk: one 128-bit access of the storage type.
 constexpr int ChunkElements(int element_bytes) { return 16 / element_bytes; }
@@ -95,21 +113,30 @@ inline int64_t BackwardStatsFloats(int64_t num_sources, int group_warps) {
 // The backward's statistics go to shared memory when one group's fit the
 // default budget (with fewer groups per CTA if need be); otherwise to a global
 // scratch, which costs 16 B per source and token against the 2 L D bytes the
-// token moves anyway. Changes layout->groups_per_cta.
+// token moves anyway. A layout whose kernel reads wg from shared memory
+// (BackwardSharesWeights) puts that row first: G * chunks * vec floats, and
+// then the statistics only if both fit kOptInSharedBytes. Changes
+// layout->groups_per_cta.
 struct StatsPlacement {
   bool shared = true;
   size_t bytes_per_group = 0;
-  size_t dynamic_shared_bytes = 0;  // per CTA
+  size_t weight_bytes = 0;          // wg at the start of the CTA's shared memory, or 0
+  size_t dynamic_shared_bytes = 0;  // per CTA: weights, then the statistics if shared
 };
-inline StatsPlacement PlaceBackwardStats(int64_t num_sources, Layout* layout) {
+inline StatsPlacement PlaceBackwardStats(int64_t num_sources, int vec, Layout* layout) {
   StatsPlacement s;
   s.bytes_per_group = static_cast<size_t>(
       BackwardStatsFloats(num_sources, layout->group_threads / kWarpSize) * sizeof(float));
-  s.shared = s.bytes_per_group <= kSharedStatsBudget;
+  if (BackwardSharesWeights(layout->chunks)) {
+    s.weight_bytes = static_cast<size_t>(layout->group_threads) * layout->chunks * vec * sizeof(float);
+  }
+  const size_t stats_budget = std::min(kSharedStatsBudget, kOptInSharedBytes - s.weight_bytes);
+  s.shared = s.bytes_per_group <= stats_budget;
+  s.dynamic_shared_bytes = s.weight_bytes;
   if (s.shared) {
-    layout->groups_per_cta = std::min<int>(
-        layout->groups_per_cta, static_cast<int>(kSharedStatsBudget / s.bytes_per_group));
-    s.dynamic_shared_bytes = layout->groups_per_cta * s.bytes_per_group;
+    layout->groups_per_cta = std::min<int>(layout->groups_per_cta,
+                                           static_cast<int>(stats_budget / s.bytes_per_group));
+    s.dynamic_shared_bytes += layout->groups_per_cta * s.bytes_per_group;
   }
   return s;
 }

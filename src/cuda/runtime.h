@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "attnres/attnres.h"
+#include "backends.h"
 #include "cuda/common.cuh"
 #include "cuda/plan.h"
 
@@ -128,13 +129,29 @@ attnres_status CheckKernel(const void* kernel, int threads, const std::string& n
 // Persistent grid (plan::PersistentGridSize) for `kernel` launched with
 // `threads` and `dynamic_smem`: as many CTAs as the occupancy calculator says
 // fit on the device at once, at most `work`. How many CTAs run changes speed
-// only: no result depends on it.
+// only: no result depends on it. Above the 48 KiB every kernel may use, the
+// kernel is first allowed plan::kOptInSharedBytes (always that value, so that
+// concurrent calls never undo each other's setting).
 template <typename Kernel>
 attnres_status PersistentGrid(Kernel kernel, int threads, size_t dynamic_smem, int64_t work,
                               const std::string& name, const Device& device, int* grid) {
   if (attnres_status s = CheckKernel(reinterpret_cast<const void*>(kernel), threads, name);
       s != ATTNRES_OK) {
     return s;
+  }
+  if (dynamic_smem > plan::kOptInSharedBytes) {
+    return Fail(ATTNRES_ERROR_INTERNAL, "attnres CUDA backend: " + name + " planned " +
+                                            std::to_string(dynamic_smem) +
+                                            " bytes of shared memory, more than plan.h allows");
+  }
+  if (dynamic_smem > plan::kDefaultSharedBytes) {
+    const cudaError_t err = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan::kOptInSharedBytes));
+    if (err != cudaSuccess) {
+      return CudaFailure("allowing " + name + " " + std::to_string(plan::kOptInSharedBytes) +
+                             " bytes of shared memory (cudaFuncSetAttribute)",
+                         err);
+    }
   }
   int per_sm = 0;
   const cudaError_t err =

@@ -98,9 +98,9 @@ std::vector<int64_t> SweepDims(attnres_dtype dtype) {
   switch (dtype) {
     case ATTNRES_DTYPE_BFLOAT16:
     case ATTNRES_DTYPE_FLOAT16:
-      return {1, 100, 1536, 4096, 4100, 8192, 8200};
+      return {1, 100, 1536, 4096, 4100, 8192, 8200, 16384, 16400};
     case ATTNRES_DTYPE_FLOAT32:
-      return {1, 100, 768, 1539, 4094, 4096, 4100};
+      return {1, 100, 768, 1539, 4094, 4096, 4100, 8192, 8200};
     default:  // float64: the generic kernels take any row
       return {1, 100, 1536};
   }
@@ -898,7 +898,12 @@ TEST(CudaBackend, SanitizerCases) {
   for (attnres_dtype dtype : kAllDTypes) {
     const bool wide16 = DTypeSize(dtype) == 2;
     std::vector<Shape> shapes = {{7, 1}, {100, 3}, {1539, 2}, {4096, 130}, {768, 1024}};
-    shapes.push_back({dtype == ATTNRES_DTYPE_FLOAT64 ? 33 : wide16 ? 8200 : 4100, 2});
+    if (dtype == ATTNRES_DTYPE_FLOAT64) {
+      shapes.push_back({33, 2});
+    } else {
+      shapes.push_back({wide16 ? 8200 : 4100, 2});    // the wide-row fused kernels
+      shapes.push_back({wide16 ? 16400 : 8200, 2});  // past them: the generic ones
+    }
     for (const Shape& shape : shapes) {
       Case c;
       c.dtype = dtype;

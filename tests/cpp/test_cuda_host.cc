@@ -6,6 +6,7 @@
 // (core/token_math.h). The kernels call these same functions.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -85,7 +86,7 @@ TEST(CudaPlan, LayoutsOfTheHeadlineShapes) {
 // kernels (docs/CUDA.md states these limits).
 TEST(CudaPlan, FusedRowLimits) {
   plan::Layout l;
-  for (const auto& [vec, limit] : {std::pair<int, int64_t>{kVec16, 8192}, {kVec32, 4096}}) {
+  for (const auto& [vec, limit] : {std::pair<int, int64_t>{kVec16, 16384}, {kVec32, 8192}}) {
     SCOPED_TRACE("vec " + std::to_string(vec));
     EXPECT_TRUE(plan::ChooseLayout(limit, vec, plan::kForwardShapes, &l));
     EXPECT_FALSE(plan::ChooseLayout(limit + 1, vec, plan::kForwardShapes, &l));
@@ -94,20 +95,48 @@ TEST(CudaPlan, FusedRowLimits) {
   }
 }
 
+// The wide-row shapes (the last of each list) take only rows the others cannot:
+// every row of up to 1024 chunks keeps the layout it had before they existed,
+// and every wider row gets them.
+template <size_t N>
+void ExpectWideShapeOnlyPastTheOthers(const plan::KernelShape (&shapes)[N]) {
+  const plan::KernelShape wide = shapes[N - 1];
+  plan::KernelShape others[N - 1];
+  std::copy(shapes, shapes + N - 1, others);
+  for (int64_t chunks = 1; chunks <= 2048; ++chunks) {
+    SCOPED_TRACE("row chunks " + std::to_string(chunks));
+    plan::Layout with_wide, without;
+    ASSERT_TRUE(plan::ChooseLayout(chunks, 1, shapes, &with_wide));
+    if (plan::ChooseLayout(chunks, 1, others, &without)) {
+      EXPECT_EQ(with_wide.chunks, without.chunks);
+      EXPECT_EQ(with_wide.group_threads, without.group_threads);
+    } else {
+      EXPECT_EQ(with_wide.chunks, wide.chunks);
+      EXPECT_GT(chunks, 1024);
+    }
+  }
+}
+
+TEST(CudaPlan, WideShapesOnlyForWideRows) {
+  ExpectWideShapeOnlyPastTheOthers(plan::kForwardShapes);
+  ExpectWideShapeOnlyPastTheOthers(plan::kBackwardShapes);
+}
+
 TEST(CudaPlan, BackwardStatsPlacement) {
   plan::Layout l;
   ASSERT_TRUE(plan::ChooseLayout(1536, kVec16, plan::kBackwardShapes, &l));  // G = 96, W = 3
   plan::Layout small = l;
-  plan::StatsPlacement s = plan::PlaceBackwardStats(33, &small);
+  plan::StatsPlacement s = plan::PlaceBackwardStats(33, kVec16, &small);
   EXPECT_TRUE(s.shared);
   EXPECT_EQ(s.bytes_per_group, (4 * 33 + 3 * 3 * 33) * sizeof(float));
   EXPECT_EQ(small.groups_per_cta, l.groups_per_cta);
+  EXPECT_EQ(s.weight_bytes, 0u);  // the 2-chunk backward keeps wg in registers
   EXPECT_EQ(s.dynamic_shared_bytes, small.groups_per_cta * s.bytes_per_group);
   EXPECT_LE(s.dynamic_shared_bytes, plan::kSharedStatsBudget);
 
   // L = 1024 with 3 warps: 13 K floats per group, more than the budget.
   plan::Layout big = l;
-  s = plan::PlaceBackwardStats(1024, &big);
+  s = plan::PlaceBackwardStats(1024, kVec16, &big);
   EXPECT_FALSE(s.shared);
   EXPECT_EQ(s.dynamic_shared_bytes, 0u);
   EXPECT_EQ(big.groups_per_cta, l.groups_per_cta);
@@ -115,10 +144,39 @@ TEST(CudaPlan, BackwardStatsPlacement) {
   // One warp per group, L = 1024: 16 KiB per group fits, but only 2 groups.
   ASSERT_TRUE(plan::ChooseLayout(64, kVec16, plan::kBackwardShapes, &l));
   ASSERT_EQ(l.group_threads, 32);
-  s = plan::PlaceBackwardStats(1024, &l);
+  s = plan::PlaceBackwardStats(1024, kVec16, &l);
   EXPECT_TRUE(s.shared);
   EXPECT_EQ(l.groups_per_cta, 2);
   EXPECT_LE(s.dynamic_shared_bytes, plan::kSharedStatsBudget);
+}
+
+// The 4-chunk backward puts wg (its group's chunk slots, zero-padded) first and
+// the statistics after it, within plan::kOptInSharedBytes.
+TEST(CudaPlan, WideBackwardSharedMemory) {
+  plan::Layout l;
+  ASSERT_TRUE(plan::ChooseLayout(16384, kVec16, plan::kBackwardShapes, &l));
+  ASSERT_EQ(l.chunks, 4);
+  ASSERT_EQ(l.group_threads, 512);  // W = 16
+  ASSERT_TRUE(plan::BackwardSharesWeights(l.chunks));
+  plan::Layout shared = l;
+  plan::StatsPlacement s = plan::PlaceBackwardStats(33, kVec16, &shared);
+  EXPECT_EQ(s.weight_bytes, 512u * 4 * 8 * sizeof(float));  // 64 KiB
+  EXPECT_TRUE(s.shared);
+  EXPECT_EQ(s.dynamic_shared_bytes, s.weight_bytes + s.bytes_per_group);
+  EXPECT_GT(s.dynamic_shared_bytes, plan::kDefaultSharedBytes);  // needs the opt-in
+  EXPECT_LE(s.dynamic_shared_bytes, plan::kOptInSharedBytes);
+  // 52 L floats per group: past 32 KiB (what the 64 KiB of wg leave) at L = 158.
+  plan::Layout global = l;
+  s = plan::PlaceBackwardStats(158, kVec16, &global);
+  EXPECT_FALSE(s.shared);
+  EXPECT_EQ(s.dynamic_shared_bytes, s.weight_bytes);
+  s = plan::PlaceBackwardStats(157, kVec16, &global);
+  EXPECT_TRUE(s.shared);
+  EXPECT_LE(s.dynamic_shared_bytes, plan::kOptInSharedBytes);
+  // The forward's wg row of the widest layout fits the opt-in too.
+  ASSERT_TRUE(plan::ChooseLayout(16384, kVec16, plan::kForwardShapes, &l));
+  EXPECT_EQ(l.chunks, 8);
+  EXPECT_LE(l.row_chunks * kVec16 * sizeof(float), plan::kOptInSharedBytes);
 }
 
 // Runs the fused backward's loops (CTA b takes items b, b + grid, ...; group k

@@ -27,7 +27,8 @@
 //
 // Coverage (the -v summary lists it): fused forward with 1/2/4 chunks per
 // thread and fused backward with 1/2, each with W = 1 and W > 1 warps per token
-// group, in bf16/fp16/fp32; backward statistics in shared and in global memory;
+// group, and the wide-row 8-chunk forward and 4-chunk backward (wg in shared
+// memory), in bf16/fp16/fp32; backward statistics in shared and in global memory;
 // partial last chunks, misaligned rows (2-, 4-, 8-byte accesses), row padding,
 // null source gradients, L > 128 (pointer tables in memory), with and without
 // the forward's caches; generic kernels in all four dtypes incl. rows too wide
@@ -336,7 +337,8 @@ void RunBlock(const BlockCase& c, uint64_t seed) {
     const int64_t steps = (T_ + layout.groups_per_cta - 1) / layout.groups_per_cta;
     const int grid = static_cast<int>(plan::PersistentGridSize(steps, 1, 1 << 20, c.caps[0]));
     auto run = [&](auto kernel) { emu::Launch(dim3(grid), dim3(threads), a.padded_dim * sizeof(float), [&] { kernel(a); }); };
-    if (layout.chunks == 4) run(FusedForwardKernel<T, 4>);
+    if (layout.chunks == 8) run(FusedForwardKernel<T, 8>);
+    else if (layout.chunks == 4) run(FusedForwardKernel<T, 4>);
     else if (layout.chunks == 2) run(FusedForwardKernel<T, 2>);
     else run(FusedForwardKernel<T, 1>);
     char k[128];
@@ -358,7 +360,7 @@ void RunBlock(const BlockCase& c, uint64_t seed) {
     a.dim = D; a.strides = {S, S + 1, 0, 0}; a.num_sources = L; a.scale = scale; a.eps = eps; a.rmsnorm = c.rmsnorm;
     emu::Launch(dim3(grid), dim3(kGenericThreads), 0, [&] { GenericForwardKernel<T>(a); });
     fwd_kernel = std::string("GenericForwardKernel<") + DtypeName<T>() + "> grid=" + std::to_string(grid);
-    fam.covered.insert(std::string("fwd ") + DtypeName<T>() + (c.chunks > 1024 ? " wide" : ""));
+    fam.covered.insert(std::string("fwd ") + DtypeName<T>() + (c.chunks > 2048 ? " wide" : ""));
   }
   g_case = std::string(desc) + " | " + fwd_kernel;
   Check("h", out.Dense(), rf.out, tol.out);
@@ -388,7 +390,7 @@ void RunBlock(const BlockCase& c, uint64_t seed) {
     if constexpr (!kF64) if (fused) {
       plan::Layout layout;
       if (!plan::ChooseLayout(D, vec, plan::kBackwardShapes, &layout)) { Fail("no backward layout"); return; }
-      const plan::StatsPlacement placement = plan::PlaceBackwardStats(L, &layout);
+      const plan::StatsPlacement placement = plan::PlaceBackwardStats(L, vec, &layout);
       FusedBackwardArgs a;
       FillTables<T>(L, sp, &gp, a);
       a.w = w.ptr(); a.gamma = c.rmsnorm ? gamma.ptr() : nullptr; a.grad_out = g.ptr();
@@ -405,11 +407,13 @@ void RunBlock(const BlockCase& c, uint64_t seed) {
       a.strides = {S, 0, S + 3, S + 2};
       a.dim = static_cast<int>(D); a.num_sources = L; a.group_threads = layout.group_threads;
       a.stats_floats = static_cast<int>(placement.bytes_per_group / sizeof(float));
+      a.weight_floats = static_cast<int>(placement.weight_bytes / sizeof(float));
       a.scale = static_cast<float>(scale); a.eps = static_cast<float>(eps); a.rmsnorm = c.rmsnorm;
       auto run = [&](auto kernel) {
         emu::Launch(dim3(grid), dim3(threads), placement.dynamic_shared_bytes, [&] { kernel(a); });
       };
-      if (layout.chunks == 2) run(FusedBackwardKernel<T, 2>);
+      if (layout.chunks == 4) run(FusedBackwardKernel<T, 4>);
+      else if (layout.chunks == 2) run(FusedBackwardKernel<T, 2>);
       else run(FusedBackwardKernel<T, 1>);
       snprintf(k, sizeof k, "FusedBackwardKernel<%s,%d> G=%d W=%d groups/CTA=%d stats=%s", DtypeName<T>(),
                layout.chunks, layout.group_threads, layout.group_threads / 32, layout.groups_per_cta,
@@ -431,7 +435,7 @@ void RunBlock(const BlockCase& c, uint64_t seed) {
       a.rmsnorm = c.rmsnorm;
       emu::Launch(dim3(grid), dim3(kGenericThreads), 0, [&] { GenericBackwardKernel<T>(a); });
       snprintf(k, sizeof k, "GenericBackwardKernel<%s>", DtypeName<T>());
-      fam.covered.insert(std::string("bwd ") + DtypeName<T>() + (c.chunks > 1024 ? " wide" : ""));
+      fam.covered.insert(std::string("bwd ") + DtypeName<T>() + (c.chunks > 2048 ? " wide" : ""));
     }
     bwd_kernel = k;
     if (c.want_dw) {
@@ -817,6 +821,8 @@ int main(int argc, char** argv) {
     //   70: fwd 1/96, bwd 1/96      100: fwd 4/32, bwd 2/64
     //  170: fwd 2/96, bwd 2/96      230: fwd 4/64, bwd 2/128
     //  300: fwd 1/288 (W = 9), bwd 2/160
+    // 1300: fwd 8/192 (W = 6), bwd 4/352 (W = 11)   (rows past 1024 chunks:
+    // 2048: fwd 8/256 (W = 8), bwd 4/512 (W = 16)    wg in shared memory)
     const BlockCase cases[] = {
         // T, chunks, short_by, L, rms, caches, mis, pad, null_grads, dw, fused, caps
         {13, 25, 1, 3, true, true, 0, 8, 0, true, true, {1, 3}},
@@ -834,6 +840,10 @@ int main(int argc, char** argv) {
         // Enough work items (groups/CTA chunks of 8 tokens each) for two grid sizes: W = 2, W = 3.
         {80, 100, 0, 2, true, true, 0, 0, 0, true, true, {1, 2}},
         {40, 70, 1, 3, true, false, 1, 0, 0, true, true, {1, 2}},
+        // The widest fused rows: 16384 16-bit / 8192 fp32 elements, and an odd
+        // width with a partial last chunk, misaligned rows and a null gradient.
+        {17, 2048, 0, 3, true, true, 0, 0, 0, true, true, {1, 2}},
+        {9, 1300, 3, 2, false, false, 1, 3, 0b01, true, true, {1, 2}},
     };
     for (const BlockCase& c : cases) { EACH_TYPE(false, RunBlock<T>(c, seed)); ++seed; }
     // Global statistics: W = 4 (256 chunks: bwd 2/128) needs 64 L bytes per
@@ -842,15 +852,19 @@ int main(int argc, char** argv) {
     RunBlock<float>({3, 256, 0, 800, true, true, 0, 0, 0b110, true, true, {1, 2}}, seed++);
     RunBlock<__nv_bfloat16>({2, 256, 0, 800, false, true, 1, 0, 0, true, true, {1, 2}}, seed++);
     RunBlock<float>({1, 25, 0, 3000, true, true, 1, 0, 0, true, true, {1, 2}}, seed++);
+    // The 4-chunk backward (wg in shared memory, W = 16) with its statistics in
+    // global memory: 52 L floats per group, more than the 32 KiB that 64 KiB of
+    // wg leave of plan::kOptInSharedBytes when L > 157.
+    RunBlock<__nv_bfloat16>({1, 2048, 0, 160, true, true, 0, 0, 0, true, true, {1, 2}}, seed++);
   }
   if (want("block_generic")) {
     const BlockCase cases[] = {
-        // fp64 (always generic) and wide rows (> 1024 chunks: no fused layout).
+        // fp64 (always generic) and wide rows (> 2048 chunks: no fused layout).
         {13, 150, 0, 3, true, true, 0, 8, 0, true, false, {1, 3}},
         {10, 39, 1, 4, false, false, 1, 3, 0b0100, true, false, {2, 5}},
         {17, 25, 0, 3, true, true, 1, 1, 0, false, false, {1, 2}},
-        {3, 1030, 3, 2, true, true, 0, 2, 0, true, false, {1, 2}},
-        {9, 1025, 0, 3, true, false, 1, 0, 0b10, true, false, {1, 2}},
+        {3, 2054, 3, 2, true, true, 0, 2, 0, true, false, {1, 2}},
+        {9, 2049, 0, 3, true, false, 1, 0, 0b10, true, false, {1, 2}},
         {150, 6, 1, 2, true, true, 1, 0, 0, true, false, {3, 7}},  // > 8 partial rows per lane set
     };
     for (const BlockCase& c : cases) { EACH_TYPE(true, RunBlock<T>(c, seed)); ++seed; }
