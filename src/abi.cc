@@ -38,11 +38,21 @@ struct Span {
   bool is_output;
 };
 
-// Checks arguments in order and keeps the first failure.
+// The spans of this thread's current call, kept between calls so that a warm call
+// allocates nothing: a backward over 10 sources records ~25 spans, and a fresh
+// vector grown past its first 16 cost a malloc of over 1 KB (and a consolidation
+// of glibc's fast bins) per call: 0.25 of 2.2 us of a 1-token backward at D = 64.
+std::vector<Span>& ThreadSpans() {
+  thread_local std::vector<Span> spans;
+  return spans;
+}
+
+// Checks arguments in order and keeps the first failure. One per call (never
+// nested: it shares the thread's spans).
 class Validator {
  public:
-  explicit Validator(const char* function) : function_(function) {
-    spans_.reserve(16);  // one allocation for the usual number of buffers
+  explicit Validator(const char* function) : function_(function), spans_(ThreadSpans()) {
+    spans_.clear();
   }
 
   bool ok() const { return status_ == ATTNRES_OK; }
@@ -130,7 +140,7 @@ class Validator {
   const char* function_;
   attnres_status status_ = ATTNRES_OK;
   std::string message_;
-  std::vector<Span> spans_;
+  std::vector<Span>& spans_;
 };
 
 // Bounds that keep every size the backends derive (padded rows, scratch of a tile

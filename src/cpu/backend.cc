@@ -17,12 +17,10 @@
 #include <cstring>
 #include <memory>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "backends.h"
 #include "cpu/kernel_table.h"
-#include "cpu/scalar_types.h"
 
 namespace attnres {
 namespace cpu {
@@ -141,105 +139,6 @@ int DefaultThreads() {
     return std::max(1, omp_get_num_procs());
   }();
   return n;
-}
-
-double LoadScalar(const void* base, int64_t index, int32_t dtype) {
-  switch (dtype) {
-    case ATTNRES_DTYPE_FLOAT64: return static_cast<const double*>(base)[index];
-    case ATTNRES_DTYPE_FLOAT32: return static_cast<const float*>(base)[index];
-    case ATTNRES_DTYPE_BFLOAT16: return ToFloat(static_cast<const Bf16*>(base)[index]);
-    case ATTNRES_DTYPE_FLOAT16: return ToFloat(static_cast<const F16*>(base)[index]);
-  }
-  return 0;
-}
-
-void StoreScalar(void* base, int64_t index, int32_t dtype, double value) {
-  switch (dtype) {
-    case ATTNRES_DTYPE_FLOAT64: static_cast<double*>(base)[index] = value; return;
-    case ATTNRES_DTYPE_FLOAT32: static_cast<float*>(base)[index] = float(value); return;
-    case ATTNRES_DTYPE_BFLOAT16:
-      static_cast<Bf16*>(base)[index] = ToBf16(float(value));
-      return;
-    case ATTNRES_DTYPE_FLOAT16: static_cast<F16*>(base)[index] = ToF16(float(value)); return;
-  }
-}
-
-// Reads the [dim] vector as A (float or double), as the kernels do.
-double AsAcc(double value, int32_t dtype) {
-  return dtype == ATTNRES_DTYPE_FLOAT64 ? value : static_cast<double>(float(value));
-}
-
-// Where element d of a row sits in the kernels' rows of A (w * gamma, U): the
-// bf16 kernels keep each pair of vectors in unpack order (simd-inl.h, Elem<Bf16>):
-// words 0-3 of every 16-byte lane of the pair's 2 * lanes values in the first
-// vector, words 4-7 in the second. With 16-byte vectors that is the identity.
-bool KernelRowIsNatural(const KernelTable& table, int32_t dtype) {
-  return dtype != ATTNRES_DTYPE_BFLOAT16 || table.vector_bytes <= 16;
-}
-
-int64_t KernelRowIndex(const KernelTable& table, int32_t dtype, int64_t d) {
-  if (KernelRowIsNatural(table, dtype)) return d;
-  const int64_t lanes = table.vector_bytes / 4;  // a power of two: masks, not divisions
-  const int64_t e = d & (2 * lanes - 1), word = e & 7;
-  return d - e + (word / 4) * lanes + (e / 8) * 4 + word % 4;
-}
-
-// A row of A: w[d] * gamma[d] (w == nullptr: ones; gamma == nullptr: w alone), zeros
-// from dim to padded, in the kernels' row order. Once per call and query, so at one
-// token of a wide model it was most of the call (50 of 70 us at D = 7168): loops the
-// compiler vectorises where the order is natural; for the bf16 pairs each entry
-// reads its source element (the inverse of KernelRowIndex), so the writes stay
-// sequential. The product of two floats rounded to float is the float product, so
-// these are the bits of the double-precision form.
-template <typename T, typename Acc>
-void StoreWeightRowAs(const KernelTable& table, int32_t dtype, const void* weight,
-                      const void* gamma_or_null, int64_t dim, int64_t padded, void* out) {
-  const T* w = static_cast<const T*>(weight);
-  const T* gamma = static_cast<const T*>(gamma_or_null);
-  Acc* row = static_cast<Acc*>(out);
-  const auto acc = [](T x) -> Acc {
-    if constexpr (std::is_same_v<T, Bf16> || std::is_same_v<T, F16>) {
-      return ToFloat(x);
-    } else {
-      return Acc(x);
-    }
-  };
-  if (KernelRowIsNatural(table, dtype)) {
-    if (w == nullptr) {
-      std::fill(row, row + dim, Acc(1));
-    } else if (gamma == nullptr) {
-      for (int64_t d = 0; d < dim; ++d) row[d] = acc(w[d]);
-    } else {
-      for (int64_t d = 0; d < dim; ++d) row[d] = acc(w[d]) * acc(gamma[d]);
-    }
-    std::fill(row + dim, row + padded, Acc(0));
-    return;
-  }
-  const int64_t lanes = table.vector_bytes / 4;
-  for (int64_t k = 0; k < padded; ++k) {
-    const int64_t in_pair = k & (2 * lanes - 1), in_vector = in_pair & (lanes - 1);
-    const int64_t d = k - in_pair + (in_vector / 4) * 8 + (in_pair >= lanes ? 4 : 0) + in_vector % 4;
-    Acc value = 0;
-    if (d < dim) {
-      value = w != nullptr ? acc(w[d]) : Acc(1);
-      if (gamma != nullptr) value *= acc(gamma[d]);
-    }
-    row[k] = value;
-  }
-}
-
-void StoreWeightRow(const KernelTable& table, int32_t dtype, const void* w, const void* gamma,
-                    int64_t dim, int64_t padded, void* row) {
-  switch (dtype) {
-    case ATTNRES_DTYPE_FLOAT64:
-      return StoreWeightRowAs<double, double>(table, dtype, w, gamma, dim, padded, row);
-    case ATTNRES_DTYPE_FLOAT32:
-      return StoreWeightRowAs<float, float>(table, dtype, w, gamma, dim, padded, row);
-    case ATTNRES_DTYPE_BFLOAT16:
-      return StoreWeightRowAs<Bf16, float>(table, dtype, w, gamma, dim, padded, row);
-    case ATTNRES_DTYPE_FLOAT16:
-      return StoreWeightRowAs<F16, float>(table, dtype, w, gamma, dim, padded, row);
-  }
 }
 
 // Rows of A padded to two of the widest vectors (the kernels load pairs).
@@ -370,8 +269,8 @@ class Call {
                                                    std::to_string(elems * acc_bytes_) +
                                                    " bytes of scratch");
     }
-    StoreWeightRow(*table_, p_.dtype, p_.proj_weight, p_.rmsnorm ? p_.gamma : nullptr, p_.dim,
-                   padded, base_);
+    table_->weight_row[p_.dtype](p_.proj_weight, p_.rmsnorm ? p_.gamma : nullptr, p_.dim, padded,
+                                 base_);
     info_.wg = base_;
     u_rows_ = base_ + (padded + threads * per_thread_) * acc_bytes_;
     std::memset(u_rows_, 0, chunks * padded * acc_bytes_);
@@ -385,20 +284,10 @@ class Call {
 
   void* ChunkU(int64_t chunk) const { return u_rows_ + chunk * info_.padded_dim * acc_bytes_; }
 
-  // U[d] of one chunk.
-  double ChunkUValue(int64_t chunk, int64_t d) const {
-    const void* u = ChunkU(chunk);
-    const int64_t k = KernelRowIndex(d);
-    return acc_bytes_ == 8 ? static_cast<const double*>(u)[k]
-                           : static_cast<const float*>(u)[k];
-  }
-
   const CallInfo& info() const { return info_; }
   const KernelTable& table() const { return *table_; }
 
  private:
-  int64_t KernelRowIndex(int64_t d) const { return cpu::KernelRowIndex(*table_, p_.dtype, d); }
-
   const attnres_params& p_;
   CallInfo info_{};
   std::vector<const void*> sources_;
@@ -436,6 +325,8 @@ bool SetIsa(const char* name) {
   g_table.store(t, std::memory_order_release);
   return true;
 }
+
+const KernelTable* KernelTableForTesting(const char* name) { return FindTable(name); }
 
 const char* RunnableIsaNames() {
   static const std::string names = [] {
@@ -484,26 +375,19 @@ attnres_status CpuBackward(const attnres_params& p) {
   });
 
   if (weight_grads) {
-    // U summed over chunks in chunk order; dw = gamma * U, dgamma = w * U.
-    const bool has_gamma = p.rmsnorm && p.gamma != nullptr;
-    cpu::ParallelFor(cpu::ThreadsFor(p.dim / 256 + 1), p.dim, [&](int, int64_t d) {
-      double u = 0;
-      if (p.dtype == ATTNRES_DTYPE_FLOAT64) {
-        for (int64_t c = 0; c < num_chunks; ++c) u += call.ChunkUValue(c, d);
-      } else {
-        float u32 = 0;  // float accumulation, as everywhere else for these dtypes
-        for (int64_t c = 0; c < num_chunks; ++c) u32 += float(call.ChunkUValue(c, d));
-        u = u32;
-      }
-      if (p.grad_proj_weight != nullptr) {
-        const double gamma = has_gamma ? cpu::LoadScalar(p.gamma, d, p.dtype) : 1.0;
-        cpu::StoreScalar(p.grad_proj_weight, d, p.dtype, cpu::AsAcc(gamma * u, p.dtype));
-      }
-      if (p.grad_gamma != nullptr) {
-        const double w = cpu::LoadScalar(p.proj_weight, d, p.dtype);
-        cpu::StoreScalar(p.grad_gamma, d, p.dtype, cpu::AsAcc(w * u, p.dtype));
-      }
-    });
+    // U summed over chunks in chunk order; dw = gamma * U, dgamma = w * U. On the
+    // calling thread: at one token an OpenMP fork cost more than the sum, and the
+    // 64 chunks of 16K tokens at D = 1536 add up below perf's resolution next to
+    // the call.
+    const cpu::WeightGradFn grad = call.table().weight_grad[p.dtype];
+    const int64_t padded = call.info().padded_dim;
+    if (p.grad_proj_weight != nullptr) {
+      grad(call.ChunkU(0), num_chunks, padded, p.rmsnorm ? p.gamma : nullptr, p.grad_proj_weight,
+           p.dim);
+    }
+    if (p.grad_gamma != nullptr) {
+      grad(call.ChunkU(0), num_chunks, padded, p.proj_weight, p.grad_gamma, p.dim);
+    }
   }
   return ATTNRES_OK;
 }
@@ -545,13 +429,18 @@ attnres_status CpuTwoPhase(const attnres_params& p, int phase, bool backward) {
                 "attnres: could not allocate " + std::to_string(bytes) + " bytes of scratch");
   }
   const int64_t elem = ElementBytes(dtype);
+  // Row s of a [S, dim] tensor of the dtype (the per-query weights and their gradients).
+  const auto query = [&](const void* v, int64_t s) {
+    return static_cast<const char*>(v) + s * dim * elem;
+  };
+  const auto query_out = [&](void* v, int64_t s) { return static_cast<char*>(v) + s * dim * elem; };
+  const WeightRowFn weight_row = table.weight_row[dtype];
   for (int64_t s = 0; s < S; ++s) {  // u_s = w_s * gamma_s
-    const auto query = [&](const void* v) { return static_cast<const char*>(v) + s * dim * elem; };
-    StoreWeightRow(table, dtype, query(p.proj_weight), has_gamma ? query(p.gamma) : nullptr, dim,
-                   padded, base + s * padded * acc);
+    weight_row(query(p.proj_weight, s), has_gamma ? query(p.gamma, s) : nullptr, dim, padded,
+               base + s * padded * acc);
   }
   if (norm) {  // the input norm's weight (ones without one)
-    StoreWeightRow(table, dtype, p.norm_weight, nullptr, dim, padded, base + S * padded * acc);
+    weight_row(p.norm_weight, nullptr, dim, padded, base + S * padded * acc);
   }
   char* scratch = base + rows_bytes;
   char* partials = scratch + threads * scratch_bytes;
@@ -566,30 +455,22 @@ attnres_status CpuTwoPhase(const attnres_params& p, int phase, bool backward) {
   });
   if (!weight_grads) return ATTNRES_OK;
 
-  // Row r of the partials summed in chunk order, in the accumulation type.
-  const auto total = [&](int64_t r, int64_t d) {
-    const int64_t offset = r * padded + KernelRowIndex(table, dtype, d);
-    if (acc == 8) {
-      double u = 0;
-      for (int64_t c = 0; c < num_chunks; ++c) u += reinterpret_cast<const double*>(partials + c * partial_bytes)[offset];
-      return u;
-    }
-    float u = 0;
-    for (int64_t c = 0; c < num_chunks; ++c) u += reinterpret_cast<const float*>(partials + c * partial_bytes)[offset];
-    return double(u);
+  // Row r of the partials summed in chunk order (chunks partial_bytes apart), times
+  // a factor: dw_s = gamma_s * U_s, dgamma_s = w_s * U_s, the norm weight's U alone.
+  // On the calling thread unless the partials pass 4 MB (then the queries are
+  // split over threads): an OpenMP fork costs more than the sum of a small call.
+  const WeightGradFn weight_grad = table.weight_grad[dtype];
+  const auto grad = [&](int64_t r, const void* factor, void* out) {
+    weight_grad(partials + r * padded * acc, num_chunks, partial_bytes / acc, factor, out, dim);
   };
-  ParallelFor(ThreadsFor(S * dim / 256 + 1), S * dim, [&](int, int64_t k) {
-    const int64_t s = k / dim, d = k % dim;
-    const double u = total(s, d);  // dL/du_s[d]: dw = gamma * u, dgamma = w * u
+  const bool large = num_chunks * partial_bytes > (4 << 20);
+  ParallelFor(large ? ThreadsFor(S) : 1, S, [&](int, int64_t s) {
     if (p.grad_proj_weight != nullptr) {
-      const double gamma = has_gamma ? LoadScalar(p.gamma, k, dtype) : 1.0;
-      StoreScalar(p.grad_proj_weight, k, dtype, AsAcc(gamma * u, dtype));
+      grad(s, has_gamma ? query(p.gamma, s) : nullptr, query_out(p.grad_proj_weight, s));
     }
-    if (p.grad_gamma != nullptr) {
-      StoreScalar(p.grad_gamma, k, dtype, AsAcc(LoadScalar(p.proj_weight, k, dtype) * u, dtype));
-    }
-    if (phase == 2 && p.grad_norm_weight != nullptr) StoreScalar(p.grad_norm_weight, d, dtype, total(1, d));
+    if (p.grad_gamma != nullptr) grad(s, query(p.proj_weight, s), query_out(p.grad_gamma, s));
   });
+  if (phase == 2 && p.grad_norm_weight != nullptr) grad(1, nullptr, p.grad_norm_weight);
   return ATTNRES_OK;
 }
 
