@@ -852,6 +852,9 @@ int main(int argc, char** argv) {
     RunBlock<float>({3, 256, 0, 800, true, true, 0, 0, 0b110, true, true, {1, 2}}, seed++);
     RunBlock<__nv_bfloat16>({2, 256, 0, 800, false, true, 1, 0, 0, true, true, {1, 2}}, seed++);
     RunBlock<float>({1, 25, 0, 3000, true, true, 1, 0, 0, true, true, {1, 2}}, seed++);
+    // The 1-chunk backward with W = 3 (70 chunks: G = 96) in fp16: 13 L floats per
+    // group, > 46 KiB at L = 906.
+    RunBlock<__half>({3, 70, 2, 910, true, false, 1, 0, 0b101, true, true, {1, 2}}, seed++);
     // The 4-chunk backward (wg in shared memory, W = 16) with its statistics in
     // global memory: 52 L floats per group, more than the 32 KiB that 64 KiB of
     // wg leave of plan::kOptInSharedBytes when L > 157.
