@@ -177,15 +177,33 @@ attnres_status LaunchAndReduce(void (*kernel)(Args), int grid, int threads, size
 }
 
 template <typename T>
+attnres_status GenericLaunch(const attnres_params& p, bool backward, const Device& device,
+                             cudaStream_t stream);
+
+// The fused launchers take the generic kernels instead when the device cannot
+// give the layout the shared memory it needs (the wide-row kernels' opt-in
+// beyond 48 KiB, on GPUs older than sm_80).
+template <typename T>
 attnres_status FusedForward(const attnres_params& p, const plan::Layout& layout,
                             const Device& device, cudaStream_t stream) {
+  constexpr int kVec = Chunk<T>::kVec;
+  const FusedForwardFn kernel = FusedForwardFor<T>(layout.chunks);
+  const std::string name = KernelName("FusedForwardKernel", p.dtype, layout.chunks);
+  const size_t shared_wg_bytes = static_cast<size_t>(layout.row_chunks * kVec) * sizeof(float);
+  bool fits = true;
+  if (attnres_status s = AllowSharedMemory(reinterpret_cast<const void*>(kernel), shared_wg_bytes,
+                                           name, device, &fits);
+      s != ATTNRES_OK) {
+    return s;
+  }
+  if (!fits) return GenericLaunch<T>(p, false, device, stream);
+
   FusedForwardArgs args;
   Scratch table_storage(device, stream);
   if (attnres_status s = FillPointerTable(SourcePointers(p), stream, &table_storage, &args.sources);
       s != ATTNRES_OK) {
     return s;
   }
-  constexpr int kVec = Chunk<T>::kVec;
   args.w = p.proj_weight;
   args.gamma = p.rmsnorm ? p.gamma : nullptr;
   args.out = p.out;
@@ -194,18 +212,15 @@ attnres_status FusedForward(const attnres_params& p, const plan::Layout& layout,
   args.num_tokens = p.num_tokens;
   args.strides = RowStridesOf(p);
   args.dim = static_cast<int>(p.dim);
-  args.padded_dim = static_cast<int>(layout.row_chunks * kVec);
+  args.padded_dim = static_cast<int>(shared_wg_bytes / sizeof(float));
   args.num_sources = static_cast<int>(NumSources(p));
   args.group_threads = layout.group_threads;
   args.scale = static_cast<float>(p.scale);
   args.eps = static_cast<float>(p.eps);
   args.rmsnorm = p.rmsnorm != 0;
 
-  const FusedForwardFn kernel = FusedForwardFor<T>(layout.chunks);
-  const std::string name = KernelName("FusedForwardKernel", p.dtype, layout.chunks);
   const int threads = layout.group_threads * layout.groups_per_cta;
   const int64_t steps = (p.num_tokens + layout.groups_per_cta - 1) / layout.groups_per_cta;
-  const size_t shared_wg_bytes = static_cast<size_t>(args.padded_dim) * sizeof(float);
   int grid = 0;
   if (attnres_status s =
           PersistentGrid(kernel, threads, shared_wg_bytes, steps, name, device, &grid);
@@ -219,15 +234,23 @@ attnres_status FusedForward(const attnres_params& p, const plan::Layout& layout,
 template <typename T>
 attnres_status FusedBackward(const attnres_params& p, plan::Layout layout, const Device& device,
                              cudaStream_t stream) {
+  const int64_t L = NumSources(p);
+  const plan::StatsPlacement placement = plan::PlaceBackwardStats(L, Chunk<T>::kVec, &layout);
+  const FusedBackwardFn kernel = FusedBackwardFor<T>(layout.chunks);
+  const std::string name = KernelName("FusedBackwardKernel", p.dtype, layout.chunks);
+  bool fits = true;
+  if (attnres_status s = AllowSharedMemory(reinterpret_cast<const void*>(kernel),
+                                           placement.dynamic_shared_bytes, name, device, &fits);
+      s != ATTNRES_OK) {
+    return s;
+  }
+  if (!fits) return GenericLaunch<T>(p, true, device, stream);
+
   FusedBackwardArgs args;
   LaunchScratch scratch(device, stream);
   if (attnres_status s = scratch.FillTables(p, true, &args); s != ATTNRES_OK) return s;
-  const int64_t L = NumSources(p);
-  const plan::StatsPlacement placement = plan::PlaceBackwardStats(L, Chunk<T>::kVec, &layout);
   const int threads = layout.group_threads * layout.groups_per_cta;
   const int64_t items = plan::NumWorkItems(p.num_tokens, layout.groups_per_cta);
-  const FusedBackwardFn kernel = FusedBackwardFor<T>(layout.chunks);
-  const std::string name = KernelName("FusedBackwardKernel", p.dtype, layout.chunks);
   int grid = 0;
   if (attnres_status s = PersistentGrid(kernel, threads, placement.dynamic_shared_bytes, items,
                                         name, device, &grid);

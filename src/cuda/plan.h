@@ -32,12 +32,11 @@ constexpr int kTargetCtaThreads = 256;
 // Dynamic shared memory the backward uses without an opt-in: the 48 KiB every
 // device grants a CTA, less room for the kernels' static reduction slots.
 constexpr size_t kSharedStatsBudget = 46 * 1024;
-// Dynamic shared memory a CTA of the wide-row kernels may use (wg = w * gamma
-// for the whole row, plus the backward's statistics). Above 48 KiB a kernel must
-// opt in, and the host always asks for exactly this much (runtime.h:
-// PersistentGrid), so concurrent calls never disagree on the setting; every GPU
-// the library builds for grants it (99 KiB on sm_86/89/120, 163 KiB on sm_80,
-// 227 KiB on sm_90).
+// Dynamic shared memory every kernel may use, and what the wide-row kernels plan
+// to use at most (wg = w * gamma for the whole row, plus the backward's
+// statistics). Above 48 KiB a kernel must opt in (runtime.h: AllowSharedMemory);
+// sm_80 and newer grant 99 KiB or more (163 KiB on sm_80, 227 KiB on sm_90), and
+// where a device grants less the call takes the generic kernels.
 constexpr size_t kDefaultSharedBytes = 48 * 1024;
 constexpr size_t kOptInSharedBytes = 96 * 1024;
 // Keeps every per-token index of the statistics (4 L + 3 W L floats) inside int.
@@ -67,6 +66,19 @@ inline constexpr KernelShape kBackwardShapes[] = {{2, 512}, {1, 512}, {4, 512}};
 // shared memory (the whole row, zero-padded to the group's chunk slots) rather
 // than keeping its elements in registers.
 constexpr bool BackwardSharesWeights(int chunks) { return chunks >= 4; }
+
+// The largest wg row a shared-weights backward plans (16-byte chunks of up to 8
+// elements) fits kOptInSharedBytes, so what it leaves for statistics is >= 0.
+constexpr bool SharedWeightsFit() {
+  for (const KernelShape& s : kBackwardShapes) {
+    if (BackwardSharesWeights(s.chunks) &&
+        size_t{1} * s.max_threads * s.chunks * 8 * sizeof(float) > kOptInSharedBytes) {
+      return false;
+    }
+  }
+  return true;
+}
+static_assert(SharedWeightsFit(), "a backward shape's shared wg exceeds kOptInSharedBytes");
 
 // Elements per chunk: one 128-bit access of the storage type.
 constexpr int ChunkElements(int element_bytes) { return 16 / element_bytes; }

@@ -118,6 +118,13 @@ attnres_status CurrentDevice(cudaStream_t stream, Device* device) {
     cudaGetLastError();
     return CudaFailure("cudaDeviceGetAttribute(multiProcessorCount)", err);
   }
+  int optin = 0;
+  err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device->id);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return CudaFailure("cudaDeviceGetAttribute(maxSharedMemoryPerBlockOptin)", err);
+  }
+  device->max_shared_optin = static_cast<size_t>(optin);
 #if CUDART_VERSION >= 12080
   int stream_device = -1;
   err = cudaStreamGetDevice(stream, &stream_device);
@@ -228,6 +235,34 @@ attnres_status CheckKernel(const void* kernel, int threads, const std::string& n
                 "attnres CUDA backend: " + name + " runs at most " +
                     std::to_string(attr.maxThreadsPerBlock) + " threads per CTA, the plan needs " +
                     std::to_string(threads) + " (plan.h's shapes and the launch bounds disagree)");
+  }
+  return ATTNRES_OK;
+}
+
+attnres_status AllowSharedMemory(const void* kernel, size_t dynamic_smem, const std::string& name,
+                                 const Device& device, bool* fits) {
+  *fits = true;
+  if (dynamic_smem <= plan::kDefaultSharedBytes) return ATTNRES_OK;
+  cudaFuncAttributes attr = {};
+  cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return CudaFailure("cudaFuncGetAttributes of " + name, err);
+  }
+  const size_t limit = device.max_shared_optin > attr.sharedSizeBytes
+                           ? device.max_shared_optin - attr.sharedSizeBytes
+                           : 0;
+  if (dynamic_smem > limit) {
+    *fits = false;
+    return ATTNRES_OK;
+  }
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(limit));
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return CudaFailure("allowing " + name + " " + std::to_string(limit) +
+                           " bytes of dynamic shared memory (cudaFuncSetAttribute)",
+                       err);
   }
   return ATTNRES_OK;
 }

@@ -38,6 +38,7 @@ attnres_status CheckLaunch(const std::string& kernel);
 struct Device {
   int id = -1;
   int num_sms = 0;
+  size_t max_shared_optin = 0;  // cudaDevAttrMaxSharedMemoryPerBlockOptin
 };
 attnres_status CurrentDevice(cudaStream_t stream, Device* device);
 
@@ -126,12 +127,21 @@ attnres_status GridCap(int64_t* cap);
 // launch bounds disagree).
 attnres_status CheckKernel(const void* kernel, int threads, const std::string& name);
 
+// Whether `kernel` can run with `dynamic_smem` bytes of dynamic shared memory on
+// `device`: always up to the 48 KiB every kernel gets (plan::kDefaultSharedBytes);
+// above that, when the device's opt-in limit covers them next to the kernel's
+// static shared memory (sm_80 and newer grant 99 KiB or more; a T4 64 KiB). Then
+// the kernel is allowed all the device grants (one value per kernel and device,
+// so concurrent calls never undo each other's setting). `fits` false: nothing
+// was changed, and the caller takes another kernel.
+attnres_status AllowSharedMemory(const void* kernel, size_t dynamic_smem, const std::string& name,
+                                 const Device& device, bool* fits);
+
 // Persistent grid (plan::PersistentGridSize) for `kernel` launched with
 // `threads` and `dynamic_smem`: as many CTAs as the occupancy calculator says
 // fit on the device at once, at most `work`. How many CTAs run changes speed
-// only: no result depends on it. Above the 48 KiB every kernel may use, the
-// kernel is first allowed plan::kOptInSharedBytes (always that value, so that
-// concurrent calls never undo each other's setting).
+// only: no result depends on it. Above 48 KiB of dynamic shared memory, call
+// AllowSharedMemory first.
 template <typename Kernel>
 attnres_status PersistentGrid(Kernel kernel, int threads, size_t dynamic_smem, int64_t work,
                               const std::string& name, const Device& device, int* grid) {
@@ -139,24 +149,13 @@ attnres_status PersistentGrid(Kernel kernel, int threads, size_t dynamic_smem, i
       s != ATTNRES_OK) {
     return s;
   }
-  if (dynamic_smem > plan::kOptInSharedBytes) {
-    return Fail(ATTNRES_ERROR_INTERNAL, "attnres CUDA backend: " + name + " planned " +
-                                            std::to_string(dynamic_smem) +
-                                            " bytes of shared memory, more than plan.h allows");
-  }
-  if (dynamic_smem > plan::kDefaultSharedBytes) {
-    const cudaError_t err = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan::kOptInSharedBytes));
-    if (err != cudaSuccess) {
-      return CudaFailure("allowing " + name + " " + std::to_string(plan::kOptInSharedBytes) +
-                             " bytes of shared memory (cudaFuncSetAttribute)",
-                         err);
-    }
-  }
   int per_sm = 0;
   const cudaError_t err =
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, dynamic_smem);
-  if (err != cudaSuccess) return CudaFailure("occupancy query for " + name, err);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // not left for the next launch check to report
+    return CudaFailure("occupancy query for " + name, err);
+  }
   if (per_sm <= 0) {
     return CudaFailure(name + " with " + std::to_string(threads) + " threads and " +
                            std::to_string(dynamic_smem) + " bytes of shared memory per CTA",

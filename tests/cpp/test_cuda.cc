@@ -738,11 +738,19 @@ TEST(CudaBackend, RunsOnTheCallersStream) {
 // gives the eager results to the bit.
 TEST(CudaBackend, CapturesIntoACudaGraph) {
   ATTNRES_SKIP_WITHOUT_CUDA();
-  for (attnres_dtype dtype : {ATTNRES_DTYPE_BFLOAT16, ATTNRES_DTYPE_FLOAT64}) {
+  struct Shape {
+    attnres_dtype dtype;
+    int64_t dim, num_blocks;
+  };
+  // L > 128 (pointer tables written by kernels), fp64 (the generic kernels), and a
+  // wide row whose kernels ask for shared memory beyond 48 KiB during the capture.
+  for (const Shape& shape : {Shape{ATTNRES_DTYPE_BFLOAT16, 1536, 200},
+                             Shape{ATTNRES_DTYPE_FLOAT64, 96, 200},
+                             Shape{ATTNRES_DTYPE_BFLOAT16, 16384, 3}}) {
     Case c;
-    c.dtype = dtype;
-    c.dim = dtype == ATTNRES_DTYPE_FLOAT64 ? 96 : 1536;
-    c.num_blocks = 200;
+    c.dtype = shape.dtype;
+    c.dim = shape.dim;
+    c.num_blocks = shape.num_blocks;
     c.tokens = 40;
     SCOPED_TRACE(c.Describe());
     const attnres::ref::Problem problem = MakeProblem(c);
@@ -901,8 +909,14 @@ TEST(CudaBackend, SanitizerCases) {
     if (dtype == ATTNRES_DTYPE_FLOAT64) {
       shapes.push_back({33, 2});
     } else {
-      shapes.push_back({wide16 ? 8200 : 4100, 2});    // the wide-row fused kernels
-      shapes.push_back({wide16 ? 16400 : 8200, 2});  // past them: the generic ones
+      // The wide-row fused kernels; then past 48 KiB of shared memory (the opt-in):
+      // 16-bit D = 16384 with the backward's statistics beside wg (L = 33) and in
+      // global memory (L = 160), fp32 D = 8192 at L = 160 (beside wg); past the
+      // wide rows, the generic kernels.
+      shapes.push_back({wide16 ? 8200 : 4100, 2});
+      if (wide16) shapes.push_back({16384, 33});
+      shapes.push_back({wide16 ? 16384 : 8192, 160});
+      shapes.push_back({wide16 ? 16400 : 8200, 2});
     }
     for (const Shape& shape : shapes) {
       Case c;

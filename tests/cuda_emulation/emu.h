@@ -13,8 +13,9 @@
 //     sm_70+ where exited threads do not block bar.sync;
 //   - `__shared__` becomes `static` (one CTA at a time, so one copy suffices);
 //     the build rewrites each `extern __shared__ T name[];` into a pointer into
-//     emu::dyn_smem, which is poisoned with 0xA5 bytes before every CTA so that
-//     reads of unwritten shared memory show up as garbage;
+//     emu::dyn_smem, which is poisoned with 0xFF bytes (NaN as a float) before
+//     every CTA so that reads of unwritten shared memory show up, even where
+//     they are multiplied by zero;
 //   - cache hints (__ldcg, __ldcs, __stcs) are plain loads and stores.
 // What it cannot see: data races between threads (fibers interleave only at
 // barriers), memory-model/visibility bugs, warp-divergence issues of
@@ -121,7 +122,7 @@ void Launch(dim3 grid, dim3 block, size_t smem, Fn fn) {
   for (unsigned by = 0; by < grid.y; ++by)
   for (unsigned bx = 0; bx < grid.x; ++bx) {
     blockIdx = make_uint3(bx, by, bz);
-    dyn_smem.assign(smem + 16, 0xA5);
+    dyn_smem.assign(smem + 16, 0xFF);
     fibers.assign(n, Fiber{});
     slots.assign(n, 0);
     cta = Bar{n, 0, 0};
