@@ -17,7 +17,6 @@
 #include <vector>
 
 #include "attnres/attnres.h"
-#include "backends.h"
 #include "cuda/common.cuh"
 #include "cuda/plan.h"
 
