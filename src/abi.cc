@@ -384,8 +384,19 @@ attnres_status ValidatePhase2Forward(const attnres_params* p) {
   Validator v("attnres_phase2_forward");
   ValidatePhase2Inputs(v, p);
   if (!v.ok()) return v.Finish();
-  v.RequiredRows(p->out, p->num_tokens, p->out_row_stride, p->dim, ElementBytes(p->dtype), "out",
-                 "out_row_stride", true);
+  const int64_t elem = ElementBytes(p->dtype), rows = p->num_tokens, dim = p->dim;
+  v.RequiredRows(p->out, rows, p->out_row_stride, dim, elem, "out", "out_row_stride", true);
+  // The fused update: y added into the partial block, p' written beside out.
+  v.Check(p->partial_update == nullptr || p->partial != nullptr, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "partial_update must be NULL when there is no partial block (it is added into it)");
+  v.Check(p->new_partial == nullptr || p->partial_update != nullptr,
+          ATTNRES_ERROR_INVALID_ARGUMENT,
+          "new_partial must be NULL without partial_update (it receives partial + partial_update)");
+  if (p->partial_update != nullptr && v.ok()) {
+    v.AddRows(p->partial_update, rows, p->source_row_stride, dim, elem, "partial_update", false);
+    v.RequiredRows(p->new_partial, rows, p->out_row_stride, dim, elem, "new_partial",
+                   "out_row_stride", true);
+  }
   v.NoOverlap();
   return v.Finish();
 }
@@ -400,6 +411,13 @@ attnres_status ValidatePhase2Backward(const attnres_params* p) {
           "grad_partial must be NULL when there is no partial block");
   v.Check(p->grad_norm_weight == nullptr || p->input_norm, ATTNRES_ERROR_INVALID_ARGUMENT,
           "grad_norm_weight must be NULL when input_norm is 0");
+  v.Check(p->partial_update == nullptr, ATTNRES_ERROR_INVALID_ARGUMENT,
+          "partial_update must be NULL in the backward (pass the forward's new_partial as "
+          "partial: the backward reads only the updated partial block)");
+  v.Check(p->grad_partial_in == nullptr || p->grad_partial != nullptr,
+          ATTNRES_ERROR_INVALID_ARGUMENT,
+          "grad_partial_in must be NULL when grad_partial is NULL (it is added into grad_partial)");
+  v.AddRows(p->grad_partial_in, rows, p->grad_out_row_stride, dim, elem, "grad_partial_in", false);
   if (p->grad_partial != nullptr || p->grad_query_out != nullptr) {
     v.RowStride(p->grad_source_row_stride, dim, "grad_source_row_stride");
   }
@@ -498,7 +516,8 @@ const attnres_field* attnres_params_fields(int32_t* count) {
       ATTNRES_FIELD(grad_query_lses), ATTNRES_FIELD(accumulate_grads), ATTNRES_FIELD(query_out),
       ATTNRES_FIELD(query_lse), ATTNRES_FIELD(grad_query_out), ATTNRES_FIELD(grad_query_lse),
       ATTNRES_FIELD(input_norm), ATTNRES_FIELD(norm_eps), ATTNRES_FIELD(norm_weight),
-      ATTNRES_FIELD(grad_norm_weight),
+      ATTNRES_FIELD(grad_norm_weight), ATTNRES_FIELD(partial_update), ATTNRES_FIELD(new_partial),
+      ATTNRES_FIELD(grad_partial_in),
   };
 #undef ATTNRES_FIELD
   if (count != nullptr) *count = int32_t(sizeof(kFields) / sizeof(kFields[0]));

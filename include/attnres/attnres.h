@@ -47,8 +47,9 @@ extern "C" {
 #define ATTNRES_VERSION_MINOR 1
 #define ATTNRES_VERSION_PATCH 0
 /* Bumped whenever attnres_params changes layout; checked by every call.
- * 2: the two-phase schedule's fields (num_queries onwards). */
-#define ATTNRES_ABI_VERSION 2
+ * 2: the two-phase schedule's fields (num_queries onwards).
+ * 3: phase 2's fused partial-block update (partial_update onwards). */
+#define ATTNRES_ABI_VERSION 3
 
 typedef enum attnres_status {
   ATTNRES_OK = 0,
@@ -139,6 +140,17 @@ typedef struct attnres_params {
   double norm_eps;                    /* that RMSNorm's eps: >= 0 and finite (default 1e-6) */
   const void* norm_weight;            /* [dim], or NULL for ones */
   void* grad_norm_weight;             /* phase 2 backward: optional [dim], overwritten; only with input_norm */
+
+  /* Phase 2's fused partial-block update (ABI 3; docs/DESIGN.md). A model adds each
+   * sub-layer's output y to the partial block before the next sub-layer reads it;
+   * phase 2 can do that in the same pass: it forms p' = partial + partial_update
+   * (each element rounded to the dtype, as a separate addition would), writes p' to
+   * new_partial and merges p' in place of partial. Its backward needs only p' (pass
+   * it as partial) and, through grad_partial_in, the gradient p' receives from its
+   * other uses; grad_partial is then the gradient of both partial and y. */
+  const void* partial_update;  /* phase 2 forward: optional y [rows of dim] (source_row_stride); needs partial */
+  void* new_partial;           /* phase 2 forward: p' [rows of dim] (out_row_stride); required with partial_update */
+  const void* grad_partial_in; /* phase 2 backward: optional [rows of dim] (grad_out_row_stride), added into grad_partial (needs it) */
 } attnres_params;
 
 /* The layout of attnres_params as this library was compiled: bindings that mirror
@@ -188,6 +200,7 @@ ATTNRES_API attnres_status attnres_backward(const attnres_params* params);
  *   phase 2  z_p = scale * dot(u, p) / r_p,  beta = sigmoid(lse - z_p)
  *            h = beta * o + (1 - beta) * p   (h = o when partial is NULL)
  *            out = h, or RMSNorm(h) * norm_weight with input_norm
+ *            with partial_update: p = partial + partial_update, also written to new_partial
  * Phase 1's backward recomputes the logits from the blocks (it needs neither o_s
  * nor lse_s), reads each block once and writes each block's gradient once; dw and
  * dgamma ([S, dim]) are bitwise reproducible for any thread count, as are phase 2's

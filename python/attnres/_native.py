@@ -26,7 +26,7 @@ from . import _validate
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 _ELEMENT_BYTES = {torch.float32: 4, torch.float64: 8, torch.bfloat16: 2, torch.float16: 2}
 _DEVICE_CPU, _DEVICE_CUDA = 0, 1
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 
 # attnres_status values (include/attnres/attnres.h) and the Python error for each.
 _ERRORS = {1: ValueError, 2: ValueError, 3: ValueError, 4: ValueError, 5: MemoryError,
@@ -62,6 +62,8 @@ class _Params(ctypes.Structure):
         ("query_out", _PTR), ("query_lse", _PTR), ("grad_query_out", _PTR),
         ("grad_query_lse", _PTR), ("input_norm", _I32), ("norm_eps", _F64),
         ("norm_weight", _PTR), ("grad_norm_weight", _PTR),
+        # ABI 3: phase 2's fused partial-block update.
+        ("partial_update", _PTR), ("new_partial", _PTR), ("grad_partial_in", _PTR),
     ]
 
 

@@ -214,6 +214,9 @@ PhaseInfo PhaseProblem(const attnres_params& p) {
   info.grad_query_out = p.grad_query_out;
   info.grad_query_lse = p.grad_query_lse;
   info.grad_partial = p.grad_partial;
+  info.partial_update = p.partial_update;
+  info.new_partial = p.new_partial;
+  info.grad_partial_in = p.grad_partial_in;
   return info;
 }
 

@@ -86,6 +86,11 @@ struct PhaseInfo : RowsInfo {
   void* grad_query_out;
   void* grad_query_lse;
   void* grad_partial;
+  // Phase 2's fused partial-block update: y in, p' = partial + y out (forward); the
+  // gradient p' receives elsewhere, added into grad_partial (backward).
+  const void* partial_update;
+  void* new_partial;
+  const void* grad_partial_in;
   // Prepared by the dispatcher.
   const void* norm_weight;  // phase 2 with input_norm: A[padded_dim], ones for NULL
 };

@@ -308,9 +308,12 @@ struct MergeToken {
   const T* p;  // null: no partial block (h = o)
   A beta = 1, z = 0, r = 1;
 
+  // With the fused update, p is the row of new_partial, which the caller has written.
   MergeToken(const PhaseInfo& info, int64_t t) {
     o = RowOf<T>(info.query_out, t, info.source_row_stride);
-    p = info.partial != nullptr ? RowOf<T>(info.partial, t, info.source_row_stride) : nullptr;
+    p = info.partial_update != nullptr ? RowOf<T>(info.new_partial, t, info.out_row_stride)
+        : info.partial != nullptr      ? RowOf<T>(info.partial, t, info.source_row_stride)
+                                       : nullptr;
     if (p == nullptr) return;
     const A* wg = static_cast<const A*>(info.wg);
     A sum_sq = 0, dot = 0;
@@ -341,6 +344,17 @@ void Phase2Forward(const PhaseInfo& info, void*, void*, int64_t begin, int64_t e
   const int64_t dim = info.dim, kLanes = R::kLanes;
   const A* nw = static_cast<const A*>(info.norm_weight);
   for (int64_t t = begin; t < end; ++t) {
+    if (info.partial_update != nullptr) {  // p' = partial + y, rounded to T, read back below
+      const T* p = RowOf<T>(info.partial, t, info.source_row_stride);
+      const T* y = RowOf<T>(info.partial_update, t, info.source_row_stride);
+      T* p_new = static_cast<T*>(info.new_partial) + t * info.out_row_stride;
+      for (int64_t d = 0; d < dim; d += R::kPair) {
+        V p_lo, p_hi, y_lo, y_hi;
+        R::Load2(p + d, dim - d, p_lo, p_hi);
+        R::Load2(y + d, dim - d, y_lo, y_hi);
+        R::Store2(p_new + d, p_lo + y_lo, p_hi + y_hi, dim - d);
+      }
+    }
     const MergeToken<T> tok(info, t);
     T* out = static_cast<T*>(info.out) + t * info.out_row_stride;
     V scale = R::Splat(A(1));
@@ -371,6 +385,7 @@ void Phase2Forward(const PhaseInfo& info, void*, void*, int64_t begin, int64_t e
 //                    dnorm_weight += g h'
 //   do = beta dh,  dbeta = dot(dh, o - p),  dlse = dbeta beta (1 - beta),  dz_p = -dlse
 //   dp = (1 - beta) dh + c u + b p  (c, b: the key chain of z_p),  U += c p
+//   plus grad_partial_in when given (what p receives from its other uses)
 template <typename T>
 void Phase2Backward(const PhaseInfo& info, void*, void* partials, int64_t begin, int64_t end) {
   using R = Row<T>;
@@ -384,6 +399,9 @@ void Phase2Backward(const PhaseInfo& info, void*, void* partials, int64_t begin,
   for (int64_t t = begin; t < end; ++t) {
     const MergeToken<T> tok(info, t);
     const T* g = RowOf<T>(info.grad_out, t, info.grad_out_row_stride);
+    const T* g_in = info.grad_partial_in != nullptr
+                        ? RowOf<T>(info.grad_partial_in, t, info.grad_out_row_stride)
+                        : nullptr;
     // dh over the pair at d, given h there.
     A inv_r = 1, proj = 0;  // 1 / r_h and dot(g nw, h') / dim
     const auto dh = [&](int64_t d, V h_lo, V h_hi, V& lo, V& hi) {
@@ -458,6 +476,12 @@ void Phase2Backward(const PhaseInfo& info, void*, void* partials, int64_t begin,
       dh(d, h_lo, h_hi, lo, hi);
       lo = vkeep * lo + vc * R::LoadA(wg + d) + vb * p_lo;
       hi = vkeep * hi + vc * R::LoadA(wg + d + kLanes) + vb * p_hi;
+      if (g_in != nullptr) {
+        V in_lo, in_hi;
+        R::Load2(g_in + d, dim - d, in_lo, in_hi);
+        lo += in_lo;
+        hi += in_hi;
+      }
       R::Store2(grad_p + d, lo, hi, dim - d);
     }
   }

@@ -17,8 +17,9 @@ def test_mirror_matches_the_library():
     fields, size = library_layout()
     assert _native.params_layout() == fields
     assert ctypes.sizeof(_native._Params) == size
-    # The fields the header documents for ABI 2 are all there, at the end.
-    assert [name for name, _, _ in fields[-3:]] == ["norm_eps", "norm_weight", "grad_norm_weight"]
+    # The fields the header documents for ABI 3 are all there, at the end.
+    assert [name for name, _, _ in fields[-3:]] == ["partial_update", "new_partial",
+                                                    "grad_partial_in"]
     _native.check_params_layout(_native.params_layout(), size, fields, size)
 
 
