@@ -1,5 +1,6 @@
 // Block AttnRes from C++: forward and backward with the thin C++ layer, then the
-// two-phase schedule, which gives the same h as the single op.
+// two-phase schedule, which gives the same h as the single op, and phase 2 with the
+// partial-block update fused.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -57,6 +58,20 @@ int main() {
     max_diff = std::max(max_diff, std::fabs(h_two_phase[k] - h_single[k]));
   }
   std::printf("two phases vs the single op: max |difference| = %.2g\n", max_diff);
+
+  // The fused update: phase 2 first adds a sub-layer's output y into the partial
+  // block (p' = partial + y, written to p_new) and merges p', in one pass; the bits
+  // are those of a separate addition followed by phase 2.
+  std::vector<float> y(tokens * dim, 0.25f), p_new(tokens * dim), h_fused(tokens * dim);
+  p2.partial_update = y.data();
+  attnres::Phase2Forward(p2, h_fused.data(), p_new.data());
+  std::vector<float> p_sum(tokens * dim);
+  for (int64_t k = 0; k < tokens * dim; ++k) p_sum[k] = partial[k] + y[k];
+  p2.partial_update = nullptr;
+  p2.in.partial = p_sum.data();
+  attnres::Phase2Forward(p2, h_two_phase.data());
+  const bool same = p_new == p_sum && h_fused == h_two_phase;
+  std::printf("fused partial-block update vs a separate add: %s\n", same ? "identical" : "DIFFERENT");
 
   try {
     in.eps = -1;

@@ -181,6 +181,10 @@ struct Phase2Inputs {
   bool input_norm = false;               // out = RMSNorm(h) * norm_weight
   const T* norm_weight = nullptr;        // [dim]; nullptr means ones
   double norm_eps = 1e-6;
+  // The fused partial-block update (forward only): y, added into in.partial first;
+  // the sum p' is merged and written to Phase2Forward's new_partial. The backward
+  // takes p' as in.partial and this left null.
+  const T* partial_update = nullptr;
 };
 
 template <typename T>
@@ -191,14 +195,17 @@ attnres_params MakeParams(const Phase2Inputs<T>& in) {
   p.input_norm = in.input_norm ? 1 : 0;
   p.norm_weight = in.norm_weight;
   p.norm_eps = in.norm_eps;
+  p.partial_update = in.partial_update;
   return p;
 }
 
+// new_partial: p' [rows of dim], required with in.partial_update.
 template <typename T>
-void Phase2Forward(const Phase2Inputs<T>& in, T* out) {
+void Phase2Forward(const Phase2Inputs<T>& in, T* out, T* new_partial = nullptr) {
   attnres_params p = MakeParams(in);
   p.out = out;
   p.out_row_stride = in.in.dim;
+  p.new_partial = new_partial;
   Check(attnres_phase2_forward(&p));
 }
 
@@ -212,6 +219,9 @@ struct Phase2Gradients {
   T* gamma = nullptr;
   T* norm_weight = nullptr;
   int64_t row_stride = 0;  // of query_out and partial; 0 means dim
+  // Added into partial (needs it): the gradient the partial block receives from its
+  // other uses (after a fused update, from the later sub-layers), rows of dim.
+  const T* partial_in = nullptr;
 };
 
 template <typename T>
@@ -226,6 +236,7 @@ void Phase2Backward(const Phase2Inputs<T>& in, const T* grad_out, const Phase2Gr
   p.grad_proj_weight = grads.proj_weight;
   p.grad_gamma = grads.gamma;
   p.grad_norm_weight = grads.norm_weight;
+  p.grad_partial_in = grads.partial_in;
   Check(attnres_phase2_backward(&p));
 }
 

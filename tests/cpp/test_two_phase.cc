@@ -326,6 +326,9 @@ class Phase1Abi {
 struct Phase2Case {
   int64_t tokens = 5, dim = 8;
   bool partial = true, rmsnorm = true, gamma = true, input_norm = false, norm_weight = false;
+  // The fused partial-block update: the forward adds y into the partial block (writing
+  // new_partial), the backward reads p' and adds grad_partial_in into grad_partial.
+  bool update = false;
   double scale = 1.0, eps = 1e-6, norm_eps = 1e-6;
   attnres_dtype dtype = ATTNRES_DTYPE_FLOAT32;
   int64_t source_pad = 0, out_pad = 0, grad_out_pad = 0, grad_source_pad = 0;
@@ -335,7 +338,8 @@ struct Phase2Case {
     std::ostringstream s;
     s << DTypeName(dtype) << " tokens=" << tokens << " dim=" << dim << " partial=" << partial
       << " rmsnorm=" << rmsnorm << " gamma=" << gamma << " input_norm=" << input_norm
-      << " norm_weight=" << norm_weight << " scale=" << scale << " eps=" << eps
+      << " norm_weight=" << norm_weight << " update=" << update << " scale=" << scale
+      << " eps=" << eps
       << " norm_eps=" << norm_eps << " pads=" << source_pad << "/" << out_pad << "/"
       << grad_out_pad << "/" << grad_source_pad;
     return s.str();
@@ -363,13 +367,35 @@ class Phase2Abi {
     ref.gamma = c.gamma ? rng.Normal(D, 1, 0.2, dt) : Vec();
     ref.norm_weight = c.norm_weight ? rng.Normal(D, 1, 0.2, dt) : Vec();
     grad = rng.Normal(T * D, 0, 1, dt);
+    Vec previous = ref.partial, update;
+    if (c.update) {
+      // p' = partial + y as the kernels form it: one addition in the accumulation type
+      // (exact here in double, then rounded to float), rounded to the dtype; the
+      // reference then merges p'.
+      update = rng.Normal(T * D, 0, 0.8, dt);
+      for (int64_t k = 0; k < T * D; ++k) {
+        const double sum = previous[k] + update[k];
+        ref.partial[k] = RoundToDType(dt == ATTNRES_DTYPE_FLOAT64 ? sum : double(float(sum)), dt);
+      }
+      new_partial = ref.partial;
+      grad_partial_in = rng.Normal(T * D, 0, 1, dt);
+    }
 
     const int64_t ss = D + c.source_pad;
     qo_ = Rows(dt, T, D, ss, kInputPadding);
     qo_.Write(ref.out);
     if (c.partial) {
       part_ = Rows(dt, T, D, ss, kInputPadding);
-      part_.Write(ref.partial);
+      part_.Write(previous);
+    }
+    if (c.update) {
+      upd_ = Rows(dt, T, D, ss, kInputPadding);
+      upd_.Write(update);
+      updated_ = Rows(dt, T, D, ss, kInputPadding);  // p', the backward's partial
+      updated_.Write(new_partial);
+      gin_ = Rows(dt, T, D, D + c.grad_out_pad, kInputPadding);
+      gin_.Write(grad_partial_in);
+      np_ = Rows(dt, T, D, D + c.out_pad, kOutputSentinel);
     }
     lse_ = Dense(acc, ref.lse);
     w_ = Dense(dt, ref.w);
@@ -411,19 +437,28 @@ class Phase2Abi {
   struct Forward {
     attnres_status status;
     std::string error, layout;
-    Vec out;
+    Vec out, new_partial;
   };
   Forward RunForward() {
     out_.Fill(kOutputSentinel);
     attnres_params p = Inputs();
     p.out = out_.data();
     p.out_row_stride = c_.dim + c_.out_pad;
+    if (c_.update) {
+      np_.Fill(kOutputSentinel);
+      p.partial_update = upd_.data();
+      p.new_partial = np_.data();
+    }
     const auto before = InputBytes();
     Forward f;
     f.status = attnres_phase2_forward(&p);
     f.error = f.status == ATTNRES_OK ? "" : attnres_last_error();
     f.out = out_.Read();
     if (!out_.OutsideIs(kOutputSentinel)) f.layout += "out padding/guard written; ";
+    if (c_.update) {
+      f.new_partial = np_.Read();
+      if (!np_.OutsideIs(kOutputSentinel)) f.layout += "new_partial padding/guard written; ";
+    }
     if (InputBytes() != before) f.layout += "an input was modified; ";
     return f;
   }
@@ -446,6 +481,10 @@ class Phase2Abi {
     p.grad_proj_weight = gw_.data();
     p.grad_gamma = c_.rmsnorm ? gg_.data() : nullptr;
     p.grad_norm_weight = c_.input_norm ? gnw_.data() : nullptr;
+    if (c_.update) {
+      p.partial = updated_.data();
+      p.grad_partial_in = gin_.data();
+    }
     const auto before = InputBytes();
     Backward b;
     b.status = attnres_phase2_backward(&p);
@@ -467,17 +506,19 @@ class Phase2Abi {
     return b;
   }
 
-  Phase2Problem ref;
+  Phase2Problem ref;  // with the update, its partial is p'
   Vec grad;
+  Vec new_partial, grad_partial_in;  // with the update: p' and the gradient p' receives elsewhere
 
  private:
   std::vector<std::vector<unsigned char>> InputBytes() const {
     return {Bytes(qo_.buffer()), Bytes(part_.buffer()), Bytes(lse_), Bytes(w_), Bytes(gamma_),
-            Bytes(nw_), Bytes(gout_.buffer())};
+            Bytes(nw_), Bytes(gout_.buffer()), Bytes(upd_.buffer()), Bytes(updated_.buffer()),
+            Bytes(gin_.buffer())};
   }
 
   Phase2Case c_;
-  Rows qo_, part_, out_, gout_, gq_, gp_;
+  Rows qo_, part_, out_, gout_, gq_, gp_, upd_, updated_, gin_, np_;
   Buffer lse_, w_, gamma_, nw_, glse_, gw_, gg_, gnw_;
 };
 
@@ -734,12 +775,16 @@ void CheckPhase2(const Phase2Case& c) {
   ASSERT_EQ(f.status, ATTNRES_OK) << f.error;
   EXPECT_EQ(f.layout, "");
   EXPECT_TRUE(Close("out", f.out, ref_out, tol.out));
+  if (c.update) EXPECT_TRUE(Close("new_partial (bitwise)", f.new_partial, abi.new_partial, 0));
   const auto b = abi.RunBackward();
   ASSERT_EQ(b.status, ATTNRES_OK) << b.error;
   EXPECT_EQ(b.layout, "");
   EXPECT_TRUE(Close("do", b.grad_out, ref_b.grad_out, tol.grad));
   EXPECT_TRUE(Close("dlse", b.grad_lse, ref_b.grad_lse, tol.grad));
-  if (c.partial) EXPECT_TRUE(Close("dp", b.grad_partial, ref_b.grad_partial, tol.grad));
+  if (c.partial) {
+    const Vec dp = c.update ? Add(ref_b.grad_partial, abi.grad_partial_in) : ref_b.grad_partial;
+    EXPECT_TRUE(Close("dp", b.grad_partial, dp, tol.grad));
+  }
   EXPECT_TRUE(Close("dw", b.grad_w, ref_b.grad_w, tol.grad));
   if (c.rmsnorm) EXPECT_TRUE(Close("dgamma", b.grad_gamma, ref_b.grad_gamma, tol.grad));
   if (c.input_norm) EXPECT_TRUE(Close("dnorm_weight", b.grad_norm_weight, ref_b.grad_norm_weight, tol.grad));
@@ -777,6 +822,37 @@ TEST(TwoPhaseAbi, Phase2MatchesReference) {
           ++k;
           CheckPhase2(c);
         }
+      }
+    }
+  }
+}
+
+// The fused partial-block update (ABI 3): new_partial is partial + y with the bits of
+// one rounded addition, out merges it, and grad_partial_in is added into grad_partial.
+TEST(TwoPhaseAbi, Phase2FusedUpdateMatchesReference) {
+  const int64_t dims[] = {1, 7, 33, 130, 1031};
+  int k = 0;
+  for (attnres_dtype dt : kAllDTypes) {
+    for (int norm : {0, 2}) {    // no input norm, input norm with norm_weight
+      for (int keys : {0, 2}) {  // RMSNorm + gamma, none
+        Phase2Case c;
+        c.dtype = dt;
+        c.update = true;
+        c.tokens = 1 + 4 * (k % 3);
+        c.dim = dims[k % 5];
+        c.input_norm = norm >= 1;
+        c.norm_weight = norm == 2;
+        c.rmsnorm = keys != 2;
+        c.gamma = keys == 0;
+        c.scale = (k % 2) ? 1.0 : 0.7;
+        if (c.dim == 1 && c.input_norm) c.norm_eps = 0.5;  // as in Phase2MatchesReference
+        c.source_pad = k % 3;
+        c.out_pad = (k + 1) % 4;
+        c.grad_out_pad = (k + 1) % 2;
+        c.grad_source_pad = k % 3;
+        c.seed = 300 + k;
+        ++k;
+        CheckPhase2(c);
       }
     }
   }
@@ -951,6 +1027,8 @@ class TwoPhaseValidation : public ::testing::Test {
     gamma2_ = random(kD, 0.1f, 1);
     nw_ = random(kD, 0.1f, 1);
     g2_ = random(kT * kD, 1, 0);
+    update_ = random(kT * kD, 1, 0);
+    gin_ = random(kT * kD, 1, 0);
     arena_ = random(kT * kD * 4, 1, 0);
 
     outs_.assign(kS, Floats(kT * kD));
@@ -965,6 +1043,7 @@ class TwoPhaseValidation : public ::testing::Test {
     gw2_.resize(kD);
     gg2_.resize(kD);
     gnw_.resize(kD);
+    new_partial_.resize(kT * kD);
     ResetOutputs();
     inputs_snapshot_ = Inputs();
 
@@ -981,7 +1060,9 @@ class TwoPhaseValidation : public ::testing::Test {
     for (auto& o : outs_) v.push_back(&o);
     for (auto& l : lses_) v.push_back(&l);
     for (auto& g : gblocks_) v.push_back(&g);
-    for (Floats* f : {&gw_, &ggamma_, &out2_, &gq_, &glse_, &gp_, &gw2_, &gg2_, &gnw_}) v.push_back(f);
+    for (Floats* f : {&gw_, &ggamma_, &out2_, &gq_, &glse_, &gp_, &gw2_, &gg2_, &gnw_, &new_partial_}) {
+      v.push_back(f);
+    }
     return v;
   }
   void ResetOutputs() {
@@ -992,7 +1073,7 @@ class TwoPhaseValidation : public ::testing::Test {
     const char* names[] = {"query_outs", "query_lses", "grad_blocks", "grad_proj_weight",
                            "grad_gamma", "out", "grad_query_out", "grad_query_lse",
                            "grad_partial", "phase 2 grad_proj_weight", "phase 2 grad_gamma",
-                           "grad_norm_weight"};
+                           "grad_norm_weight", "new_partial"};
     (void)names;
     int k = 0;
     for (Floats* f : OutputVectors()) {
@@ -1006,7 +1087,8 @@ class TwoPhaseValidation : public ::testing::Test {
   }
   std::vector<Floats> Inputs() const {
     std::vector<Floats> all = blocks_;
-    for (const Floats* f : {&w_, &gamma_, &o_, &lse_, &partial_, &w2_, &gamma2_, &nw_, &g2_, &arena_}) {
+    for (const Floats* f : {&w_, &gamma_, &o_, &lse_, &partial_, &w2_, &gamma2_, &nw_, &g2_, &arena_,
+                            &update_, &gin_}) {
       all.push_back(*f);
     }
     for (const auto& g : gouts_) all.push_back(g);
@@ -1071,6 +1153,12 @@ class TwoPhaseValidation : public ::testing::Test {
     p.out_row_stride = kD;
     return p;
   }
+  attnres_params P2FusedForward() {
+    attnres_params p = P2Forward();
+    p.partial_update = update_.data();
+    p.new_partial = new_partial_.data();
+    return p;
+  }
   attnres_params P2Backward() {
     attnres_params p = Phase2Inputs();
     p.grad_out = g2_.data();
@@ -1105,10 +1193,10 @@ class TwoPhaseValidation : public ::testing::Test {
   std::vector<Floats> blocks_;
   Floats w_, gamma_;
   std::vector<Floats> gouts_, glses_;
-  Floats o_, lse_, partial_, w2_, gamma2_, nw_, g2_;
+  Floats o_, lse_, partial_, w2_, gamma2_, nw_, g2_, update_, gin_;
   Floats arena_;  // inputs that overlapping outputs point into (writes stay in bounds)
   std::vector<Floats> outs_, lses_, gblocks_;
-  Floats gw_, ggamma_, out2_, gq_, glse_, gp_, gw2_, gg2_, gnw_;
+  Floats gw_, ggamma_, out2_, gq_, glse_, gp_, gw2_, gg2_, gnw_, new_partial_;
   std::vector<Floats> inputs_snapshot_;
   std::vector<const void*> block_ptrs_, gout_ptrs_, glse_ptrs_;
   std::vector<void*> out_ptrs_, lse_ptrs_, gblock_ptrs_;
@@ -1407,6 +1495,57 @@ TEST_F(TwoPhaseValidation, Phase2BackwardRules) {
   p = P2Backward();
   p.grad_query_lse = gp_.data() + 3;
   ExpectRejected("grad_query_lse inside grad_partial", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_query_lse", "grad_partial"});
+}
+
+// The fused partial-block update (ABI 3): what it needs, where it may not point.
+TEST_F(TwoPhaseValidation, FusedUpdateRules) {
+  attnres_params p = P2FusedForward();
+  ResetOutputs();
+  ASSERT_EQ(attnres_phase2_forward(&p), ATTNRES_OK) << attnres_last_error();
+  p = P2Backward();
+  p.grad_partial_in = gin_.data();
+  ASSERT_EQ(attnres_phase2_backward(&p), ATTNRES_OK) << attnres_last_error();
+
+  const Call forward = attnres_phase2_forward;
+  p = P2FusedForward();
+  p.partial = nullptr;
+  ExpectRejected("partial_update without partial", forward, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"partial_update"});
+  p = P2FusedForward();
+  p.new_partial = nullptr;
+  ExpectRejected("new_partial NULL", forward, &p, ATTNRES_ERROR_NULL_POINTER, {"new_partial"});
+  p = P2Forward();
+  p.new_partial = new_partial_.data();
+  ExpectRejected("new_partial without partial_update", forward, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"new_partial", "partial_update"});
+  p = P2FusedForward();
+  p.partial = arena_.data();
+  p.new_partial = arena_.data() + kD;
+  ExpectRejected("new_partial overlaps partial", forward, &p, ATTNRES_ERROR_OVERLAP, {"new_partial", "partial"});
+  p = P2FusedForward();
+  p.partial_update = arena_.data();
+  p.new_partial = arena_.data();
+  ExpectRejected("new_partial == partial_update", forward, &p, ATTNRES_ERROR_OVERLAP, {"new_partial", "partial_update"});
+  p = P2FusedForward();
+  p.new_partial = out2_.data() + 1;
+  ExpectRejected("new_partial overlaps out", forward, &p, ATTNRES_ERROR_OVERLAP, {"new_partial", "out"});
+
+  const Call backward = attnres_phase2_backward;
+  p = P2Backward();
+  p.partial_update = update_.data();
+  ExpectRejected("partial_update in the backward", backward, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"partial_update", "new_partial"});
+  p = P2Backward();
+  p.grad_partial = nullptr;
+  p.grad_partial_in = gin_.data();
+  ExpectRejected("grad_partial_in without grad_partial", backward, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_partial_in"});
+  p = P2Backward();
+  p.grad_partial_in = gp_.data();
+  ExpectRejected("grad_partial_in == grad_partial", backward, &p, ATTNRES_ERROR_OVERLAP, {"grad_partial", "grad_partial_in"});
+  // grad_partial_in's rows are grad_out_row_stride apart: with 2 kD its last row reaches
+  // past element 4 * 2 kD, where grad_query_out now starts.
+  p = P2Backward();
+  p.grad_out_row_stride = 2 * kD;  // (grad_out is read by no rejected call)
+  p.grad_partial_in = arena_.data();
+  p.grad_query_out = arena_.data() + 4 * 2 * kD;
+  ExpectRejected("grad_partial_in's rows follow grad_out_row_stride", backward, &p, ATTNRES_ERROR_OVERLAP, {"grad_query_out", "grad_partial_in"});
 }
 
 }  // namespace
