@@ -17,6 +17,10 @@ import torch
 
 from . import _native, _validate
 
+_FORWARD = "block_attn_res"
+_SEED_MAX_BLOCKS = _validate.SEED_MAX_BLOCKS
+_plain_inputs = _validate.plain_inputs
+
 
 def block_attn_res(
     blocks: List[torch.Tensor],
@@ -46,6 +50,16 @@ def block_attn_res(
         out [B, T, D] alone when both flags are False, else a tuple
         (out[, rms_cache][, alpha_cache]). Caches are float64 for float64 inputs.
     """
+    if not (rms_out_flag or alpha_out_flag) and (rmsnorm_gamma is not None or not enable_rmsnorm):
+        # The common call, without caches: the native checks in one pass
+        # (plain_inputs); the seed's own rules add only N and the rank here. Anything
+        # else takes the full validator below, which names what is wrong.
+        plain = _plain_inputs(blocks, partial_block, proj_weight, rmsnorm_gamma, scale,
+                              rmsnorm_eps, False)
+        if plain is not None and 0 < len(blocks) <= _SEED_MAX_BLOCKS and len(plain[4]) == 3:
+            return _native.forward(blocks, partial_block, proj_weight, rmsnorm_gamma,
+                                   scale=scale, eps=rmsnorm_eps, rmsnorm=enable_rmsnorm,
+                                   function=_FORWARD, _plain=plain)[0]
     _validate.seed_forward(blocks, proj_weight, partial_block, scale, rmsnorm_eps,
                            rmsnorm_gamma, enable_rmsnorm, rms_out_flag)
     out, rms, alpha = _native.forward(

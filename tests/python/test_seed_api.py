@@ -331,6 +331,26 @@ def test_forward_return_convention(make_inputs, dtype, rms_flag, alpha_flag, rms
 @dtype_param()
 @pytest.mark.parametrize("partial", [False, True], ids=["nopartial", "partial"])
 @pytest.mark.parametrize("rmsnorm", [True, False], ids=["rms", "norms"])
+def test_forward_without_caches_is_the_cached_call(make_inputs, bits_equal, monkeypatch, dtype,
+                                                   partial, rmsnorm):
+    # Without caches the forward skips the seed's validator (one pass of the native
+    # checks) -- the same kernel, so the same bits as a call that asks for a cache.
+    inp = make_inputs(2, 3, 37, 5, partial, dtype)
+    gamma = inp["rmsnorm_gamma"] if rmsnorm else None
+    args = (inp["blocks"], inp["proj_weight"], inp["partial_block"])
+    kwargs = dict(rmsnorm_gamma=gamma, enable_rmsnorm=rmsnorm, scale=0.7)
+    cached = attnres.block_attn_res(*args, alpha_out_flag=True, **kwargs)[0]
+    ran = []
+    monkeypatch.setattr(attnres._validate, "seed_forward",
+                        lambda *a: ran.append(a) or pytest.fail("full validator ran"))
+    bare = attnres.block_attn_res(*args, **kwargs)
+    assert not ran
+    assert bits_equal(bare, cached)
+
+
+@dtype_param()
+@pytest.mark.parametrize("partial", [False, True], ids=["nopartial", "partial"])
+@pytest.mark.parametrize("rmsnorm", [True, False], ids=["rms", "norms"])
 def test_backward_return_convention(make_inputs, dtype, partial, rmsnorm):
     B, T, D, N = 3, 1, 10, 3
     inp = make_inputs(B, T, D, N, partial, dtype)
