@@ -283,12 +283,13 @@ def plain_phase1(blocks: object, w: object, gamma: object, eps: float, scale: fl
 
 def plain_phase2(out: object, lse: object, partial: object, w: object, gamma: object,
                  norm_weight: object, eps: float, scale: float, norm_eps: float,
-                 grad: bool) -> Optional[tuple]:
+                 grad: bool, update: object = None) -> Optional[tuple]:
     """plain_inputs() for phase 2: out a plain strided tensor [..., D] of a supported
     dtype on the CPU or a CUDA device; lse [...] in the accumulation dtype; partial (or
-    None) like out; w, gamma, norm_weight (or None) [D]; all plain, strided, on out's
-    device; the scalars finite, eps and norm_eps >= 0. Returns ``(contiguous,
-    requires_grad)`` or None (then phase2() names what is wrong)."""
+    None) like out; update (or None; only with partial) like out; w, gamma, norm_weight
+    (or None) [D]; all plain, strided, on out's device; the scalars finite, eps and
+    norm_eps >= 0. Returns ``(contiguous, requires_grad)`` or None (then phase2() names
+    what is wrong)."""
     if not (_isfinite(scale) and _isfinite(eps) and eps >= 0 and _isfinite(norm_eps)
             and norm_eps >= 0):
         return None
@@ -301,7 +302,11 @@ def plain_phase2(out: object, lse: object, partial: object, w: object, gamma: ob
             or not (lse.is_cpu if device is None else lse.device == device)):
         return None
     contiguous = out.is_contiguous() and lse.is_contiguous()
-    if partial is not None:
+    if update is not None:
+        if partial is None:
+            return None
+        contiguous = _fold_alike(contiguous, dtype, device, shape, (partial, update))
+    elif partial is not None:
         contiguous = _fold_alike(contiguous, dtype, device, shape, (partial,))
     if contiguous is not None:
         vectors = (w,) if gamma is None else (w, gamma)
@@ -310,7 +315,8 @@ def plain_phase2(out: object, lse: object, partial: object, w: object, gamma: ob
         contiguous = _fold_alike(contiguous, dtype, device, (shape[-1],), vectors)
     if contiguous is None:
         return None
-    requires_grad = grad and _any_requires_grad(out, lse, partial, w, gamma, norm_weight)
+    requires_grad = grad and _any_requires_grad(out, lse, partial, w, gamma, norm_weight,
+                                                update)
     return contiguous, requires_grad
 
 
@@ -429,9 +435,10 @@ def phase1(function: str, blocks: object, w: object, gamma: object, eps: float,
 
 def phase2(function: str, out: object, lse: object, partial: object, w: object,
            gamma: object, norm_weight: object, eps: float, scale: float,
-           norm_eps: float) -> None:
+           norm_eps: float, update: object = None) -> None:
     """Phase 2: out [..., D] (phase 1's output), lse [...] fp32 (fp64 for fp64), partial
-    (or None) like out, w, gamma and norm_weight (or None) [D]."""
+    (or None) like out, update (or None) like partial and only with it, w, gamma and
+    norm_weight (or None) [D]."""
     if not isinstance(out, torch.Tensor) or out.dim() == 0:
         raise error(function, "out", "a tensor [..., D] (phase 1's output)", _kind(out))
     if out.dtype not in SUPPORTED_DTYPES:
@@ -444,6 +451,13 @@ def phase2(function: str, out: object, lse: object, partial: object, w: object,
     if partial is not None:
         tensor(function, "partial", partial, out.shape, out.dtype, out.device, "out",
                "the shape of out")
+    if update is not None:
+        # Added into the partial block: without one there is nothing to update.
+        if partial is None:
+            raise error(function, "update", "None when partial is None (it is added into "
+                        "the partial block)", _kind(update))
+        tensor(function, "update", update, partial.shape, partial.dtype, partial.device,
+               "partial", "the shape of partial")
     tensor(function, "w", w, (dim,), out.dtype, out.device, "out", "D")
     for name, t in (("gamma", gamma), ("norm_weight", norm_weight)):
         if t is not None:

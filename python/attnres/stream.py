@@ -26,6 +26,9 @@ Schedules, equal within the tolerances of docs/DESIGN.md:
   joins the last block's when no block is completed in between); each sub-layer then
   runs phase 2, which merges that result with the partial block. Each completed block
   is read once per block of sub-layers, and its gradient is formed once per block.
+  Inside a block, ``add(out)`` only holds ``out``: the next phase 2 adds it into the
+  partial block in its own pass (``update=``), so the sum makes no separate trip
+  through memory; the block's last ``add`` adds as usual (the sum becomes a block).
 * ``"per_layer"``: the single op ``block_attn_res_fn`` once per sub-layer (every
   sub-layer reads every completed block).
 
@@ -124,6 +127,9 @@ class Stream:
         self._dtype, self._shape = embedding.dtype, embedding.shape
         self._blocks: List[Tensor] = [embedding]
         self._partial: Optional[Tensor] = None
+        # The last output add() received, not yet in _partial: the next mix (a phase 2
+        # inside the same block) adds it (two_phase schedule only).
+        self._update: Optional[Tensor] = None
         self._next = 0              # the next sub-layer
         self._awaiting_add = False  # next_input() was called, add() was not
         self._finished = False
@@ -161,8 +167,16 @@ class Stream:
                                   "(the embedding's)", _validate._kind(out) +
                                   (f" of {out.dtype}" if isinstance(out, Tensor) else ""))
         self._awaiting_add = False
-        self._partial = out if self._partial is None else self._partial + out
         self._next += 1
+        if self._partial is None:
+            self._partial = out
+        elif self._next % self._m.block_size != 0 and self._m.schedule == "two_phase":
+            # The block goes on, so the next mix (next_input() or finish()) is a phase 2
+            # over this partial block: it forms partial + out in its own pass, with the
+            # bits of the addition below.
+            self._update = out
+        else:
+            self._partial = self._partial + out
         if self._next % self._m.block_size == 0:  # the block is complete
             self._blocks.append(self._partial)
             self._partial = None
@@ -215,9 +229,15 @@ class Stream:
             return h
         first, outs, lses = self._phase1_for(j)
         q = j - first
-        return block_attn_res_phase2(outs[q], lses[q], self._partial, w, gamma, eps=m.eps,
-                                     scale=m.scale, rmsnorm=m.rmsnorm, norm_weight=norm_weight,
-                                     input_norm=m.input_norm, norm_eps=m.norm_eps)
+        update = self._update
+        h = block_attn_res_phase2(outs[q], lses[q], self._partial, w, gamma, eps=m.eps,
+                                  scale=m.scale, rmsnorm=m.rmsnorm, norm_weight=norm_weight,
+                                  input_norm=m.input_norm, norm_eps=m.norm_eps, update=update)
+        if update is None:
+            return h
+        h, self._partial = h  # the partial block with the update added
+        self._update = None
+        return h
 
     def _phase1_for(self, j: int):
         """Phase 1 of the block holding query j, run at the block's first query: its

@@ -17,12 +17,15 @@ only the partial block ``p`` differs. So, per token (``u_s = w_s * gamma_s``,
 
 In exact arithmetic ``h`` is the single op over ``[v_0, ..., v_{N-1}, p]``.
 
-Ops in the ``attnres`` namespace: ``phase1`` / ``phase1_backward`` and ``phase2`` /
-``phase2_backward``. Phase 1 returns *lists* of S outputs and S LSEs, so that each
-sub-layer's gradient lands on its own tensor; its backward takes all S gradients at
-once (a missing one is zero), reads each block once and writes each block's gradient
-once. What autograd saves: the blocks, ``w`` and ``gamma`` by reference (phase 1);
-``o_s``, ``lse_s``, ``p`` and the weights (phase 2). Nothing is recomputed twice in
+Ops in the ``attnres`` namespace: ``phase1`` / ``phase1_backward``, ``phase2`` /
+``phase2_backward``, and ``phase2_update`` (phase 2 with the partial-block update
+``p' = p + y`` fused in; it returns ``(h, p')`` and its backward is ``phase2_backward``
+over ``p'`` with the gradient ``p'`` receives elsewhere added in). Phase 1 returns
+*lists* of S outputs and S LSEs, so that each sub-layer's gradient lands on its own
+tensor; its backward takes all S gradients at once (a missing one is zero), reads each
+block once and writes each block's gradient once. What autograd saves: the blocks,
+``w`` and ``gamma`` by reference (phase 1); ``o_s``, ``lse_s``, ``p`` (``p'`` with the
+update) and the weights (phase 2). Nothing is recomputed twice in
 memory: the backward kernels recompute logits in the pass that reads the rows anyway.
 """
 
@@ -64,13 +67,14 @@ _phase1_backward_call = _native.entry_call(
 _phase2_forward_call = _native.entry_call(
     "attnres_phase2_forward",
     _COMMON + ("query_out", "query_lse", "partial", "source_row_stride", "proj_weight", "gamma",
-               "out", "out_row_stride", "input_norm", "norm_eps", "norm_weight"))
+               "out", "out_row_stride", "input_norm", "norm_eps", "norm_weight",
+               "partial_update", "new_partial"))
 _phase2_backward_call = _native.entry_call(
     "attnres_phase2_backward",
     _COMMON + ("query_out", "query_lse", "partial", "source_row_stride", "proj_weight", "gamma",
                "input_norm", "norm_eps", "norm_weight", "grad_out", "grad_out_row_stride",
                "grad_query_out", "grad_query_lse", "grad_partial", "grad_source_row_stride",
-               "grad_proj_weight", "grad_gamma", "grad_norm_weight"))
+               "grad_proj_weight", "grad_gamma", "grad_norm_weight", "grad_partial_in"))
 
 
 def _ptr(t: Optional[Tensor]) -> int:
@@ -161,35 +165,46 @@ def phase1_backward(grad_outs: Sequence[Optional[Tensor]], grad_lses: Sequence[O
     return grad_blocks, grad_w, grad_gamma
 
 
-def _phase2_rows(out: Tensor, partial: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor], int]:
-    dim = out.shape[-1]
-    rows, stride = _native._rows([out] if partial is None else [out, partial], dim)
-    return rows[0], (rows[1] if partial is not None else None), stride
+def _phase2_rows(out: Tensor, partial: Optional[Tensor], update: Optional[Tensor] = None
+                 ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor], int]:
+    """out, partial and update (each may be None but out) with one shared row stride
+    (the ABI's source_row_stride)."""
+    rows, stride = _native._rows([t for t in (out, partial, update) if t is not None],
+                                 out.shape[-1])
+    rows = iter(rows)
+    return (next(rows), next(rows) if partial is not None else None,
+            next(rows) if update is not None else None, stride)
 
 
 def phase2_forward(out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Tensor,
                    gamma: Optional[Tensor], *, eps: float, scale: float, rmsnorm: bool,
                    norm_weight: Optional[Tensor] = None, input_norm: bool = False,
-                   norm_eps: float = 1e-6, function: str = _PHASE2, _validated: bool = False,
-                   _contiguous: bool = False) -> Tensor:
-    """h (or RMSNorm(h) * norm_weight with input_norm), [..., D] in out's dtype.
+                   norm_eps: float = 1e-6, update: Optional[Tensor] = None,
+                   function: str = _PHASE2, _validated: bool = False,
+                   _contiguous: bool = False):
+    """h (or RMSNorm(h) * norm_weight with input_norm), [..., D] in out's dtype; with
+    `update`, (h, new_partial): the kernel forms new_partial = partial + update (the
+    bits of torch's add) and merges it in place of partial.
     `_contiguous`: the caller has also seen every tensor contiguous."""
     if not _validated:
         _validate.phase2(function, out, lse, partial, w, gamma, norm_weight, eps, scale,
-                         norm_eps)
+                         norm_eps, update)
     dim = out.shape[-1]
     tokens = out.numel() // dim
+    nbytes = tokens * dim * _native._ELEMENT_BYTES[out.dtype]
     if _contiguous:
         stride = dim
-        result = _native._empty_like(out)
-        nbytes = tokens * dim * _native._ELEMENT_BYTES[out.dtype]
-        if nbytes >= _native._LARGE:
-            result = _native._new_output(out, nbytes)
     else:
-        out, partial, stride = _phase2_rows(out, partial)
-        result = _native._new_output(out, tokens * dim * _native._ELEMENT_BYTES[out.dtype])
+        out, partial, update, stride = _phase2_rows(out, partial, update)
+    # new_partial is written with result's row stride (the ABI's out_row_stride).
+    if _contiguous and nbytes < _native._LARGE:
+        result = _native._empty_like(out)
+        new_partial = _native._empty_like(out) if update is not None else None
+    else:
+        result = _native._new_output(out, nbytes)
+        new_partial = _native._new_output(out, nbytes) if update is not None else None
     if tokens == 0:
-        return result
+        return result if update is None else (result, new_partial)
     gamma = gamma if rmsnorm else None
     norm_weight = norm_weight if input_norm else None
     if not _contiguous:
@@ -205,17 +220,22 @@ def phase2_forward(out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Tenso
         partial.data_ptr() if partial is not None else 0, stride, w.data_ptr(),
         gamma.data_ptr() if gamma is not None else 0, result.data_ptr(), dim,
         1 if input_norm else 0, norm_eps,
-        norm_weight.data_ptr() if norm_weight is not None else 0)
-    return result
+        norm_weight.data_ptr() if norm_weight is not None else 0,
+        update.data_ptr() if update is not None else 0,
+        new_partial.data_ptr() if update is not None else 0)
+    return result if update is None else (result, new_partial)
 
 
 def phase2_backward(grad: Tensor, out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Tensor,
                     gamma: Optional[Tensor], *, eps: float, scale: float, rmsnorm: bool,
                     norm_weight: Optional[Tensor] = None, input_norm: bool = False,
                     norm_eps: float = 1e-6, need: Sequence[bool] = (True,) * 6,
+                    grad_partial_in: Optional[Tensor] = None,
                     function: str = _PHASE2 + " (backward)", _validated: bool = False):
     """Gradients (out, lse, partial, w, gamma, norm_weight), None where not needed or
-    not applicable."""
+    not applicable. After a fused update, `partial` is the forward's new_partial and
+    `grad_partial_in` (or None: zero) the gradient new_partial received from its other
+    uses; the partial gradient is then that of both the old partial and the update."""
     if not _validated:
         _validate.phase2(function, out, lse, partial, w, gamma, norm_weight, eps, scale,
                          norm_eps)
@@ -223,18 +243,31 @@ def phase2_backward(grad: Tensor, out: Tensor, lse: Tensor, partial: Optional[Te
     tokens = out.numel() // dim
     grad = grad.to(out.dtype)
     _validate.grad_out(function, "grad", grad, out)
-    out, partial, stride = _phase2_rows(out, partial)
-    (grad,), grad_stride = _native._rows([grad], dim)
+    need_out, need_lse, need_partial, need_w, need_gamma, need_nw = need
+    need_partial = need_partial and partial is not None
+    if grad_partial_in is not None:
+        if partial is None:
+            raise _validate.error(function, "grad_partial_in", "None when partial is None "
+                                  "(it is added into the partial block's gradient)",
+                                  _validate._kind(grad_partial_in))
+        grad_partial_in = grad_partial_in.to(out.dtype)
+        _validate.grad_out(function, "grad_partial_in", grad_partial_in, out)
+        if not need_partial:  # it only ever reaches the partial block's gradient
+            grad_partial_in = None
+    out, partial, _, stride = _phase2_rows(out, partial)
+    # grad_partial_in shares grad's row stride (the ABI's grad_out_row_stride).
+    grads, grad_stride = _native._rows(
+        [grad] if grad_partial_in is None else [grad, grad_partial_in], dim)
+    grad = grads[0]
+    grad_partial_in = grads[1] if grad_partial_in is not None else None
     # Held in locals until the call returns (see phase2_forward).
     lse, w = lse.contiguous(), w.contiguous()
     gamma = gamma.contiguous() if rmsnorm and gamma is not None else None
     norm_weight = norm_weight.contiguous() if input_norm and norm_weight is not None else None
-    need_out, need_lse, need_partial, need_w, need_gamma, need_nw = need
     nbytes = tokens * dim * _native._ELEMENT_BYTES[out.dtype]
     grad_out = _native._new_output(out, nbytes) if need_out else None
     grad_lse = torch.empty_like(lse, memory_format=torch.contiguous_format) if need_lse else None
-    grad_partial = (_native._new_output(out, nbytes)
-                    if need_partial and partial is not None else None)
+    grad_partial = _native._new_output(out, nbytes) if need_partial else None
     grad_w = w.new_empty(w.shape) if need_w else None
     grad_gamma = w.new_empty(w.shape) if need_gamma and gamma is not None else None
     grad_nw = w.new_empty(w.shape) if need_nw and input_norm else None
@@ -250,7 +283,7 @@ def phase2_backward(grad: Tensor, out: Tensor, lse: Tensor, partial: Optional[Te
         1 if rmsnorm else 0, out.data_ptr(), lse.data_ptr(), _ptr(partial), stride,
         w.data_ptr(), _ptr(gamma), 1 if input_norm else 0, norm_eps, _ptr(norm_weight),
         grad.data_ptr(), grad_stride, _ptr(grad_out), _ptr(grad_lse), _ptr(grad_partial), dim,
-        _ptr(grad_w), _ptr(grad_gamma), _ptr(grad_nw))
+        _ptr(grad_w), _ptr(grad_gamma), _ptr(grad_nw), _ptr(grad_partial_in))
     return result
 
 
@@ -345,16 +378,39 @@ def _phase2_fake(out, lse, partial, w, gamma, norm_weight, eps, scale, rmsnorm, 
     return out.new_empty(out.shape)
 
 
+@torch.library.custom_op("attnres::phase2_update", mutates_args=())
+def _phase2_update(out: Tensor, lse: Tensor, partial: Tensor, update: Tensor, w: Tensor,
+                   gamma: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
+                   scale: float, rmsnorm: bool, input_norm: bool,
+                   norm_eps: float) -> Tuple[Tensor, Tensor]:
+    """(h, new_partial): attnres::phase2 over new_partial = partial + update, which the
+    kernel forms (the bits of torch's add) and writes in the same pass."""
+    custom_op_calls["attnres::phase2_update"] += 1
+    return phase2_forward(out, lse, partial, w, gamma, eps=eps, scale=scale, rmsnorm=rmsnorm,
+                          norm_weight=norm_weight, input_norm=input_norm, norm_eps=norm_eps,
+                          update=update)
+
+
+@_phase2_update.register_fake
+def _phase2_update_fake(out, lse, partial, update, w, gamma, norm_weight, eps, scale, rmsnorm,
+                        input_norm, norm_eps):
+    _validate.phase2(_PHASE2, out, lse, partial, w, gamma, norm_weight, eps, scale, norm_eps,
+                     update)
+    return out.new_empty(out.shape), out.new_empty(out.shape)
+
+
 @torch.library.custom_op("attnres::phase2_backward", mutates_args=())
 def _phase2_backward(grad: Tensor, out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Tensor,
                      gamma: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
                      scale: float, rmsnorm: bool, input_norm: bool, norm_eps: float,
-                     need: list[bool]) -> list[Tensor]:
-    """The needed gradients of (out, lse, partial, w, gamma, norm_weight), in that order."""
+                     need: list[bool], grad_partial_in: Optional[Tensor] = None) -> list[Tensor]:
+    """The needed gradients of (out, lse, partial, w, gamma, norm_weight), in that order.
+    After attnres::phase2_update, partial is its new_partial and grad_partial_in what
+    new_partial received from its other uses (added into the partial gradient)."""
     custom_op_calls["attnres::phase2_backward"] += 1
     grads = phase2_backward(grad, out, lse, partial, w, gamma, eps=eps, scale=scale,
                             rmsnorm=rmsnorm, norm_weight=norm_weight, input_norm=input_norm,
-                            norm_eps=norm_eps, need=need)
+                            norm_eps=norm_eps, need=need, grad_partial_in=grad_partial_in)
     return [g for g in grads if g is not None]
 
 
@@ -366,10 +422,24 @@ def _phase2_applicable(need, partial, gamma, rmsnorm, input_norm) -> List[bool]:
 
 @_phase2_backward.register_fake
 def _phase2_backward_fake(grad, out, lse, partial, w, gamma, norm_weight, eps, scale, rmsnorm,
-                          input_norm, norm_eps, need):
+                          input_norm, norm_eps, need, grad_partial_in=None):
     likes = [out, lse, out, w, w, w]
     need = _phase2_applicable(need, partial, gamma, rmsnorm, input_norm)
     return [like.new_empty(like.shape) for like, n in zip(likes, need) if n]
+
+
+def _phase2_op_backward(saved, args, needs, grad, grad_partial_in=None) -> list:
+    """The gradients (out, lse, partial, w, gamma, norm_weight) through the backward op,
+    None where `needs` (of those six) does not ask or none exists. `saved`: the six
+    tensors the forward saved (partial: new_partial after a fused update); `args`:
+    (eps, scale, rmsnorm, input_norm, norm_eps)."""
+    out, lse, partial, w, gamma, norm_weight = saved
+    eps, scale, rmsnorm, input_norm, norm_eps = args
+    need = _phase2_applicable(needs, partial, gamma, rmsnorm, input_norm)
+    result = iter(torch.ops.attnres.phase2_backward(
+        grad, out, lse, partial, w, gamma, norm_weight, eps, scale, rmsnorm, input_norm,
+        norm_eps, need, grad_partial_in))
+    return [next(result) if n else None for n in need]
 
 
 def _phase2_setup_context(ctx, inputs, output):
@@ -379,16 +449,32 @@ def _phase2_setup_context(ctx, inputs, output):
 
 
 def _phase2_grad(ctx, grad):
-    out, lse, partial, w, gamma, norm_weight = ctx.saved_tensors
-    eps, scale, rmsnorm, input_norm, norm_eps = ctx.args
-    need = _phase2_applicable(ctx.needs_input_grad[:6], partial, gamma, rmsnorm, input_norm)
-    result = iter(torch.ops.attnres.phase2_backward(
-        grad, out, lse, partial, w, gamma, norm_weight, eps, scale, rmsnorm, input_norm,
-        norm_eps, need))
-    return tuple(next(result) if n else None for n in need) + (None,) * 5
+    grads = _phase2_op_backward(ctx.saved_tensors, ctx.args, ctx.needs_input_grad[:6], grad)
+    return tuple(grads) + (None,) * 5
 
 
 _phase2.register_autograd(_phase2_grad, setup_context=_phase2_setup_context)
+
+
+def _phase2_update_setup_context(ctx, inputs, output):
+    out, lse, _, _, w, gamma, norm_weight, eps, scale, rmsnorm, input_norm, norm_eps = inputs
+    ctx.args = (eps, scale, rmsnorm, input_norm, norm_eps)
+    # The backward reads only new_partial (the kernel's contract), not partial or update.
+    ctx.save_for_backward(out, lse, output[1], w, gamma, norm_weight)
+
+
+def _phase2_update_grad(ctx, grad, grad_new_partial):
+    needs = ctx.needs_input_grad
+    # new_partial = partial + update: one gradient for both, formed by the kernel with
+    # the gradient new_partial receives from its other uses added in.
+    g_out, g_lse, g_partial, g_w, g_gamma, g_nw = _phase2_op_backward(
+        ctx.saved_tensors, ctx.args, (needs[0], needs[1], needs[2] or needs[3], *needs[4:7]),
+        grad, grad_new_partial)
+    return (g_out, g_lse, g_partial if needs[2] else None, g_partial if needs[3] else None,
+            g_w, g_gamma, g_nw) + (None,) * 5
+
+
+_phase2_update.register_autograd(_phase2_update_grad, setup_context=_phase2_update_setup_context)
 
 
 # ---------------------------------------------------------------------------------
@@ -442,35 +528,52 @@ class Phase1Function(torch.autograd.Function):
 
 class Phase2Function(torch.autograd.Function):
     """apply((eps, scale, rmsnorm, input_norm, norm_eps, contiguous), out, lse, partial, w,
-    gamma, norm_weight) -> h, as attnres::phase2, for inputs _validate.plain_phase2()
-    accepted (gamma None without RMSNorm, norm_weight None without input_norm)."""
+    gamma, norm_weight, update) -> h, as attnres::phase2, or with update (h, new_partial),
+    as attnres::phase2_update, for inputs _validate.plain_phase2() accepted (gamma None
+    without RMSNorm, norm_weight None without input_norm)."""
 
     @staticmethod
-    def forward(ctx, meta, out, lse, partial, w, gamma, norm_weight):
+    def forward(ctx, meta, out, lse, partial, w, gamma, norm_weight, update):
         eps, scale, rmsnorm, input_norm, norm_eps, contiguous = meta
         ctx.meta = meta
-        ctx.save_for_backward(out, lse, partial, w, gamma, norm_weight)  # as the op's
-        return phase2_forward(out, lse, partial, w, gamma, eps=eps, scale=scale,
-                              rmsnorm=rmsnorm, norm_weight=norm_weight, input_norm=input_norm,
-                              norm_eps=norm_eps, _validated=True, _contiguous=contiguous)
+        result = phase2_forward(out, lse, partial, w, gamma, eps=eps, scale=scale,
+                                rmsnorm=rmsnorm, norm_weight=norm_weight, input_norm=input_norm,
+                                norm_eps=norm_eps, update=update, _validated=True,
+                                _contiguous=contiguous)
+        if update is None:
+            ctx.save_for_backward(out, lse, partial, w, gamma, norm_weight)  # as the op's
+            return result
+        # As _phase2_update_setup_context. Unlike the op, an unused new_partial (the
+        # stream's final mix) passes no gradient rather than zeros, and the kernel
+        # then adds none.
+        ctx.save_for_backward(out, lse, result[1], w, gamma, norm_weight)
+        ctx.set_materialize_grads(False)
+        return result
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, grad_new_partial=None):
         eps, scale, rmsnorm, input_norm, norm_eps, _ = ctx.meta
-        out, lse, partial, w, gamma, norm_weight = ctx.saved_tensors
-        need = _phase2_applicable(ctx.needs_input_grad[1:], partial, gamma, rmsnorm, input_norm)
+        saved = ctx.saved_tensors
+        out, lse, partial, w, gamma, norm_weight = saved
+        needs = ctx.needs_input_grad
+        # With an update, partial and update share one gradient (see _phase2_update_grad).
+        need = (needs[1], needs[2], needs[3] or needs[7], needs[4], needs[5], needs[6])
+        if grad is None:  # only new_partial's gradient arrived
+            grad = torch.zeros_like(out)
         if _native.eager() and not _grad_enabled():  # create_graph=False
+            need = _phase2_applicable(need, partial, gamma, rmsnorm, input_norm)
             grads = phase2_backward(grad, out, lse, partial, w, gamma, eps=eps, scale=scale,
                                     rmsnorm=rmsnorm, norm_weight=norm_weight,
                                     input_norm=input_norm, norm_eps=norm_eps, need=need,
-                                    _validated=True)
-            return (None, *[g if n else None for g, n in zip(grads, need)])
-        # Traced (compiled autograd), or create_graph=True: the backward op, as
-        # _phase2_grad does (which refuses a double backward as the op does).
-        result = iter(torch.ops.attnres.phase2_backward(
-            grad, out, lse, partial, w, gamma, norm_weight, eps, scale, rmsnorm, input_norm,
-            norm_eps, need))
-        return (None, *[next(result) if n else None for n in need])
+                                    grad_partial_in=grad_new_partial, _validated=True)
+            grads = [g if n else None for g, n in zip(grads, need)]
+        else:
+            # Traced (compiled autograd), or create_graph=True: the backward op, as
+            # _phase2_grad does (which refuses a double backward as the op does).
+            grads = _phase2_op_backward(saved, ctx.meta[:5], need, grad, grad_new_partial)
+        g_out, g_lse, g_partial, g_w, g_gamma, g_nw = grads
+        return (None, g_out, g_lse, g_partial if needs[3] else None, g_w, g_gamma, g_nw,
+                g_partial if needs[7] else None)
 
 
 _apply_phase1 = _fast_apply(Phase1Function)
@@ -518,7 +621,8 @@ def block_attn_res_phase2(out: Tensor, lse: Tensor, partial: Optional[Tensor], w
                           gamma: Optional[Tensor] = None, *, eps: float = 1e-6,
                           scale: float = 1.0, rmsnorm: bool = True,
                           norm_weight: Optional[Tensor] = None,
-                          input_norm: Optional[bool] = None, norm_eps: float = 1e-6) -> Tensor:
+                          input_norm: Optional[bool] = None, norm_eps: float = 1e-6,
+                          update: Optional[Tensor] = None):
     """Phase 2 for one sub-layer, differentiable: merges phase 1's ``out``, ``lse`` of
     this sub-layer's query (``w``, ``gamma``: ``[D]``) with the partial block.
 
@@ -526,6 +630,12 @@ def block_attn_res_phase2(out: Tensor, lse: Tensor, partial: Optional[Tensor], w
     norm if there is one. ``input_norm`` (default: ``norm_weight is not None``)
     returns ``RMSNorm(h) * norm_weight`` (``norm_weight`` None: ones), fused so that
     ``h`` makes no round trip through memory.
+
+    ``update`` (a tensor like ``partial``, which must then be given) fuses the
+    partial-block update ``partial + update`` (the previous sub-layer's output) into
+    the same pass: the result is ``(h, new_partial)``, ``h`` merging ``new_partial``,
+    which has the bits of ``partial + update`` in torch. Gradients reach ``partial`` and
+    ``update`` as through that addition.
     """
     if input_norm is None:
         input_norm = norm_weight is not None
@@ -534,20 +644,26 @@ def block_attn_res_phase2(out: Tensor, lse: Tensor, partial: Optional[Tensor], w
                               "a tensor")
     if _eager():  # the fast path; anything unusual falls through to the op
         plain = _validate.plain_phase2(out, lse, partial, w, gamma, norm_weight, eps, scale,
-                                       norm_eps, _grad_enabled())
+                                       norm_eps, _grad_enabled(), update)
         if plain is not None:
-            if partial is None and not input_norm:  # h = out
+            if partial is None and not input_norm:  # h = out (plain: no update then)
                 return out
             gamma = gamma if rmsnorm else None
             contiguous, requires_grad = plain
             if requires_grad:
                 return _apply_phase2((eps, scale, rmsnorm, input_norm, norm_eps, contiguous),
-                                     out, lse, partial, w, gamma, norm_weight)
+                                     out, lse, partial, w, gamma, norm_weight, update)
             return phase2_forward(out, lse, partial, w, gamma, eps=eps, scale=scale,
                                   rmsnorm=rmsnorm, norm_weight=norm_weight,
-                                  input_norm=input_norm, norm_eps=norm_eps, _validated=True,
-                                  _contiguous=contiguous)
-    _validate.phase2(_PHASE2, out, lse, partial, w, gamma, norm_weight, eps, scale, norm_eps)
+                                  input_norm=input_norm, norm_eps=norm_eps, update=update,
+                                  _validated=True, _contiguous=contiguous)
+    _validate.phase2(_PHASE2, out, lse, partial, w, gamma, norm_weight, eps, scale, norm_eps,
+                     update)
+    if update is not None:
+        return torch.ops.attnres.phase2_update(out, lse, partial, update, w,
+                                               gamma if rmsnorm else None, norm_weight,
+                                               float(eps), float(scale), bool(rmsnorm),
+                                               bool(input_norm), float(norm_eps))
     if partial is None and not input_norm:  # h = out
         return out
     return torch.ops.attnres.phase2(out, lse, partial, w, gamma if rmsnorm else None,

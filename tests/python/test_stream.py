@@ -13,10 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 import attnres.stream as stream_module
 from attnres.nn import BlockAttnResStream
+from attnres.ops import custom_op_calls
 from model_reference import reference_block_attn_res
 from torch_reference import rel_err
 
@@ -236,6 +238,109 @@ def test_schedules_agree_in_bf16(config):
         for a, b in zip(g2[j], g1[j]):
             if a is not None and b is not None and b.any():
                 assert rel_err(a, b) <= 2 * 1e-2
+
+
+# ---------------------------------------------------------------------------------
+# The fused partial-block update: inside a block, add(out) leaves the sum to the next
+# phase 2 (block_attn_res_phase2(..., update=out)).
+# ---------------------------------------------------------------------------------
+
+class CountingMode(TorchFunctionMode):
+    """Counts the additions of two tensors it sees; while it is active the front ends
+    take the custom ops, so attnres.ops.custom_op_calls counts those."""
+
+    def __init__(self):
+        super().__init__()
+        self.adds = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__add__, torch.Tensor.add, torch.add) and all(
+                isinstance(a, torch.Tensor) for a in args[:2]):
+            self.adds += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("schedule", ["two_phase", "per_layer"])
+@pytest.mark.parametrize("sizes", [(7, 3), (6, 3), (5, 2), (4, 1), (3, 5), (8, 4)],
+                         ids=lambda s: f"L{s[0]}-bs{s[1]}")
+def test_two_phase_stream_adds_only_at_block_ends(sizes, schedule):
+    """two_phase: the only separate additions are those that close a block (its sum
+    becomes a completed block); every mix at position >= 2 of its block runs the fused
+    phase 2, the one at position 1 plain phase 2. per_layer adds as before. The results
+    have the bits of the eager fast path."""
+    num, block_size = sizes
+    res = BlockAttnResStream(D, num, block_size, schedule=schedule, dtype=F64)
+    randomize(res)
+    emb = torch.randn(2, 3, D, dtype=F64)
+    layers = [(lambda h, k=k: torch.tanh(h) * (0.5 + 0.1 * k)) for k in range(num)]
+    positions = [j % block_size for j in range(num + 1)]  # of each mix in its block
+    with torch.no_grad():
+        eager = run_stream(res, emb, layers)
+        before = dict(custom_op_calls)
+        mode = CountingMode()
+        with mode:
+            traced = run_stream(res, emb, layers)
+    ran = {k: v - before.get(k, 0) for k, v in custom_op_calls.items()}
+    assert torch.equal(traced, eager)
+    if schedule == "per_layer":
+        # One per add() onto a partial block: every sub-layer's but a block's first.
+        assert mode.adds == sum(1 for q in positions[:num] if q >= 1)
+        assert ran.get("attnres::phase2_update", 0) == 0
+        return
+    assert mode.adds == (num // block_size if block_size > 1 else 0)
+    assert ran.get("attnres::phase2_update", 0) == sum(1 for q in positions if q >= 2)
+    assert ran.get("attnres::phase2", 0) == sum(1 for q in positions if q == 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("config", ["default", "input_norm"])
+def test_fused_stream_equals_the_unfused_stream(config, dtype, monkeypatch):
+    """The stream against itself with the fusion undone (torch's add, then phase 2): every
+    mix bit for bit; gradients bitwise in fp32 (the kernel adds in fp32, as torch
+    does) and within a unit of bf16 in bf16 (the fused backward rounds dp + grad once,
+    the unfused twice). Sub-layers return fixed leaves c_j (see
+    test_schedules_agree_in_bf16)."""
+    num, block_size = 8, 4
+    kw = CONFIGS[config]
+    g = torch.Generator().manual_seed(4)
+    emb = torch.randn(3, 5, D, generator=g).to(dtype)
+    cs = [(0.7 * torch.randn(3, 5, D, generator=g)).to(dtype) for _ in range(num)]
+    gys = [torch.randn(3, 5, D, generator=g).to(dtype) for _ in range(num + 1)]
+    real = stream_module.block_attn_res_phase2
+
+    def unfused(out, lse, partial, *args, update=None, **kwargs):
+        if update is None:
+            return real(out, lse, partial, *args, **kwargs)
+        partial = partial + update
+        return real(out, lse, partial, *args, **kwargs), partial
+
+    results = []
+    for fuse in (True, False):
+        if not fuse:
+            monkeypatch.setattr(stream_module, "block_attn_res_phase2", unfused)
+        res = BlockAttnResStream(D, num, block_size, **kw)
+        randomize(res)
+        e = emb.clone().requires_grad_(True)
+        c = [x.clone().requires_grad_(True) for x in cs]
+        stream = res.begin(e)
+        xs = []
+        for j in range(num):
+            xs.append(stream.next_input())
+            stream.add(c[j])
+        xs.append(stream.finish())
+        loss = sum((x.float() * gy.float()).sum() for x, gy in zip(xs, gys))
+        grads = torch.autograd.grad(loss, [e] + c + stream_params(res))
+        results.append(([x.detach() for x in xs], grads))
+    (xs, grads), (xs_ref, grads_ref) = results
+    for j, (a, b) in enumerate(zip(xs, xs_ref)):
+        assert torch.equal(a, b), f"x_{j} differs from the unfused stream"
+    names = ["embedding"] + [f"c_{k}" for k in range(num)] + ["w", "gamma", "norm_weight"]
+    for name, a, b in zip(names, grads, grads_ref):
+        if dtype == torch.float32:
+            assert torch.equal(a, b), f"d{name} differs from the unfused stream"
+        else:
+            err = rel_err(a.float(), b.float())
+            assert err <= 1e-2, f"d{name}: relative error {err:.3g} against the unfused stream"
 
 
 class StreamModel(nn.Module):

@@ -10,6 +10,7 @@ the same (rounded) values as the op; errors are max|x - ref| / max|ref| (rel_err
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 import attnres
 from attnres import block_attn_res_phase1, block_attn_res_phase2
+from attnres.ops import custom_op_calls
 from model_reference import reference_block_attn_res
 from torch_reference import reference_phase1, reference_phase2, rel_err
 
@@ -783,3 +785,377 @@ def test_mixed_requires_grad():
     with torch.no_grad():
         outs, lses = block_attn_res_phase1(blocks, w, gamma)
     assert not outs[0].requires_grad and outs[0].grad_fn is None
+
+
+# ---------------------------------------------------------------------------------
+# The fused partial-block update (ABI 3): block_attn_res_phase2(..., update=y) returns
+# (h, p') with p' = partial + y formed by the kernel; h merges p'.
+# ---------------------------------------------------------------------------------
+
+UPDATE_CASES = {  # rmsnorm, gamma, input_norm, norm_weight
+    "keys": (True, True, False, False),
+    "input_norm": (True, True, True, True),
+    "no_gamma_input_norm_ones": (True, False, True, False),
+    "raw_keys": (False, False, False, False),
+}
+
+
+def update_inputs(dtype, seed, D=33, lead=(2, 5)):
+    """(out, lse, partial, update, w, gamma, norm_weight, grad_h, grad_p): partial and the
+    update of different magnitudes, so that their sum rounds in every dtype."""
+    g = torch.Generator().manual_seed(seed)
+    return (randn(g, *lead, D, dtype=dtype), randn(g, *lead, mean=0.5, dtype=acc_dtype(dtype)),
+            randn(g, *lead, D, std=1.5, dtype=dtype), randn(g, *lead, D, std=0.7, dtype=dtype),
+            randn(g, D, std=1 / math.sqrt(D), dtype=dtype),
+            randn(g, D, mean=1.0, std=0.3, dtype=dtype),
+            randn(g, D, mean=1.0, std=0.3, dtype=dtype),
+            randn(g, *lead, D, dtype=dtype), randn(g, *lead, D, dtype=dtype))
+
+
+def update_kwargs(case):
+    rmsnorm, _, input_norm, _ = UPDATE_CASES[case]
+    return dict(eps=1e-6, scale=0.8, rmsnorm=rmsnorm, input_norm=input_norm, norm_eps=1e-5)
+
+
+def update_weights(case, gamma, norm_weight):
+    _, has_gamma, _, has_nw = UPDATE_CASES[case]
+    return gamma if has_gamma else None, norm_weight if has_nw else None
+
+
+def same_bits(a, b):
+    a, b = a.detach().contiguous(), b.detach().contiguous()
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints), b.view(ints))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "autograd"])
+@pytest.mark.parametrize("case", UPDATE_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_update_forward_is_torch_add_then_phase2_bitwise(dtype, case, grad):
+    """p' has the bits of torch's partial + update and h those of phase 2 over it, on
+    the fast path (with and without autograd) and through the op."""
+    out, lse, p, y, w, gamma, nw, _, _ = update_inputs(dtype, seed=21)
+    gamma, nw = update_weights(case, gamma, nw)
+    kw = update_kwargs(case)
+    with torch.no_grad():
+        expected_h = block_attn_res_phase2(out, lse, p + y, w, gamma, norm_weight=nw, **kw)
+    args = [leaf(t) if grad else t for t in (out, lse, p, y, w)]
+    h, p_new = block_attn_res_phase2(args[0], args[1], args[2], args[4], gamma, norm_weight=nw,
+                                     update=args[3], **kw)
+    assert h.requires_grad == grad and p_new.requires_grad == grad
+    assert same_bits(p_new, p + y), "new_partial differs from torch's add"
+    assert same_bits(h, expected_h), "h differs from phase 2 over torch's add"
+    op_h, op_p = torch.ops.attnres.phase2_update(out, lse, p, y, w,
+                                                 gamma if kw["rmsnorm"] else None, nw,
+                                                 kw["eps"], kw["scale"], kw["rmsnorm"],
+                                                 kw["input_norm"], kw["norm_eps"])
+    assert same_bits(op_p, p + y) and same_bits(op_h, expected_h)
+
+
+@pytest.mark.parametrize("case", UPDATE_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_update_gradients_match_oracle(dtype, case):
+    """Every gradient, with h and p' both in the loss, against float64 autograd over
+    p + y, SPEC section 3 tolerances; and against the unfused composition (torch's add,
+    then phase 2) in the same dtype: bitwise, but for dpartial and dupdate in bf16 and
+    fp16, where the fused backward rounds once (dp + grad_p) instead of twice (dp, then
+    the sum with grad_p)."""
+    inputs = update_inputs(dtype, seed=22)
+    out, lse, p, y, w, gamma, nw, grad_h, grad_p = inputs
+    gamma, nw = update_weights(case, gamma, nw)
+    kw = update_kwargs(case)
+    tol_h, tol_g = TOL[dtype]
+    names = ["out", "lse", "partial", "update", "w", "gamma", "norm_weight"]
+    tensors = [out, lse, p, y, w, gamma, nw]
+
+    xs = [None if t is None else leaf(t) for t in tensors]
+    h, p_new = block_attn_res_phase2(xs[0], xs[1], xs[2], xs[4], xs[5], norm_weight=xs[6],
+                                     update=xs[3], **kw)
+    torch.autograd.backward([h, p_new], [grad_h, grad_p])
+
+    refs = [None if t is None else leaf(t, F64) for t in tensors]
+    p_ref = refs[2] + refs[3]
+    h_ref = reference_phase2(refs[0], refs[1], p_ref, refs[4], refs[5], norm_weight=refs[6],
+                             **kw)
+    assert_close_rel("h", h, h_ref, tol_h)
+    torch.autograd.backward([h_ref, p_ref], [grad_h.to(F64), grad_p.to(F64)])
+
+    unfused = [None if t is None else leaf(t) for t in tensors]
+    p_sum = unfused[2] + unfused[3]
+    h_un = block_attn_res_phase2(unfused[0], unfused[1], p_sum, unfused[4], unfused[5],
+                                 norm_weight=unfused[6], **kw)
+    torch.autograd.backward([h_un, p_sum], [grad_h, grad_p])
+
+    for name, x, r, u in zip(names, xs, refs, unfused):
+        if x is None:
+            continue
+        if name == "gamma" and not kw["rmsnorm"]:
+            assert x.grad is None or not x.grad.any(), "dgamma should be zero"
+            continue
+        assert x.grad is not None and x.grad.dtype == x.dtype, f"no gradient for {name}"
+        assert_close_rel(f"d{name}", x.grad, r.grad, tol_g)
+        if name in ("partial", "update") and dtype in (torch.bfloat16, torch.float16):
+            # dp is accumulated in fp32 either way; the unfused sum rounds it to the
+            # dtype before adding grad_p: they differ by about a unit of the dtype.
+            assert_close_rel(f"d{name} vs unfused", x.grad, u.grad, 2 * tol_h)
+        else:
+            assert same_bits(x.grad, u.grad), f"d{name} differs from the unfused composition"
+    assert torch.equal(xs[2].grad, xs[3].grad)  # one gradient for both
+
+
+@pytest.mark.parametrize("partial_grad,update_grad,others", [
+    (True, True, True), (True, False, False), (False, True, False), (False, True, True),
+    (False, False, True)])
+def test_update_requires_grad_combinations(partial_grad, update_grad, others):
+    """Only what requires grad gets a gradient, equal to that of the full run; nothing
+    requiring grad gives plain tensors (no graph)."""
+    out, lse, p, y, w, gamma, nw, grad_h, grad_p = update_inputs(torch.float32, seed=23)
+    kw = dict(eps=1e-6, scale=0.8, rmsnorm=True, input_norm=True, norm_eps=1e-5)
+
+    def run(requires):
+        xs = [t.detach().clone().requires_grad_(r)
+              for t, r in zip((out, lse, p, y, w, gamma, nw), requires)]
+        h, p_new = block_attn_res_phase2(xs[0], xs[1], xs[2], xs[4], xs[5], norm_weight=xs[6],
+                                         update=xs[3], **kw)
+        if any(requires):
+            torch.autograd.backward([h, p_new], [grad_h, grad_p])
+        else:
+            assert h.grad_fn is None and p_new.grad_fn is None
+        return [x.grad for x in xs], (h.detach(), p_new.detach())
+
+    full, (h_full, p_full) = run([True] * 7)
+    requires = [others, others, partial_grad, update_grad, others, others, others]
+    mixed, (h, p_new) = run(requires)
+    assert same_bits(h, h_full) and same_bits(p_new, p_full)
+    for i, (a, b, r) in enumerate(zip(mixed, full, requires)):
+        if not r:
+            assert a is None, f"input {i} got a gradient"
+        else:
+            assert same_bits(a, b), f"input {i}: gradient differs from the full run"
+    with torch.no_grad():
+        h_ng, p_ng = block_attn_res_phase2(out, lse, p, w, gamma, norm_weight=nw, update=y, **kw)
+    assert same_bits(h_ng, h_full) and same_bits(p_ng, p_full)
+
+
+@pytest.mark.parametrize("use", ["h", "new_partial"])
+def test_update_with_one_output_unused(use):
+    """Only one output in the loss: the other's gradient is None on the fast path (no
+    zeros made for p', zeros for h) and zeros through the op; both equal the unfused
+    composition in float64."""
+    out, lse, p, y, w, gamma, nw, grad_h, grad_p = update_inputs(F64, seed=24)
+    kw = dict(eps=1e-6, scale=0.8, rmsnorm=True, input_norm=False, norm_eps=1e-6)
+    results = []
+    for path in ("fast", "op", "unfused"):
+        xs = [leaf(t) for t in (out, lse, p, y, w, gamma)]
+        if path == "fast":
+            h, p_new = block_attn_res_phase2(*xs[:3], xs[4], xs[5], update=xs[3], **kw)
+        elif path == "op":
+            h, p_new = torch.ops.attnres.phase2_update(*xs, None, kw["eps"], kw["scale"], True,
+                                                       False, 1e-6)
+        else:
+            p_new = xs[2] + xs[3]
+            h = block_attn_res_phase2(xs[0], xs[1], p_new, xs[4], xs[5], **kw)
+        loss = (h * grad_h).sum() if use == "h" else (p_new * grad_p).sum()
+        loss.backward()
+        results.append([x.grad for x in xs])
+    fast, op, unfused = results
+    for i, (a, b, c) in enumerate(zip(fast, op, unfused)):
+        if c is None:
+            assert a is None or not a.any(), f"input {i}"
+            continue
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-14, msg=lambda m: f"{i}: {m}")
+        torch.testing.assert_close(b, c, rtol=1e-12, atol=1e-14, msg=lambda m: f"{i}: {m}")
+
+
+def test_update_strided_inputs_and_zero_tokens():
+    """out, partial and the update as views with one row stride (read in place), or one
+    of them transposed (copied), and a non-contiguous gradient of p': the bits of
+    contiguous inputs."""
+    g = torch.Generator().manual_seed(25)
+    D = 8
+    out, lse, w, gamma = randn(g, 3, 2, 20), randn(g, 3, 2), randn(g, D, std=0.4), \
+        randn(g, D, mean=1.0, std=0.2)
+    wide, transposed = randn(g, 3, 2, 20), randn(g, 2, 3, D)
+    grad_h, grad_p = randn(g, 3, 2, D), randn(g, 2, 3, D).transpose(0, 1)
+    assert not grad_p.is_contiguous()
+    layouts = {
+        "row stride 20": lambda wd, tr: (wd[..., :D], wd[..., 10:10 + D]),
+        "update transposed": lambda wd, tr: (wd[..., :D], tr.transpose(0, 1)),
+        "partial transposed": lambda wd, tr: (tr.transpose(0, 1), wd[..., 5:5 + D]),
+    }
+    for name, views in layouts.items():
+        results = []
+        for contiguous in (False, True):
+            xs = [leaf(t) for t in (out, lse, w, gamma, wide, transposed)]
+            p_in, y_in = views(*xs[4:])
+            o_in = xs[0][..., 3:3 + D]
+            if contiguous:
+                o_in, p_in, y_in = o_in.contiguous(), p_in.contiguous(), y_in.contiguous()
+            else:
+                assert not (p_in.is_contiguous() or y_in.is_contiguous())
+            h, p_new = block_attn_res_phase2(o_in, xs[1], p_in, xs[2], xs[3], update=y_in,
+                                             scale=0.9)
+            assert same_bits(p_new, p_in + y_in), name
+            torch.autograd.backward([h, p_new], [grad_h, grad_p])
+            results.append([h, p_new] + [x.grad for x in xs])
+        for i, (a, b) in enumerate(zip(*results)):
+            assert (a is None and b is None) or same_bits(a, b), f"{name}: result {i}"
+
+    # Zero tokens: empty outputs, zero weight gradients.
+    empty = [leaf(torch.empty(0, 3, 5)) for _ in range(3)]
+    ww, gg = leaf(torch.randn(5)), leaf(torch.ones(5))
+    h, p_new = block_attn_res_phase2(empty[0], torch.empty(0, 3), empty[1], ww, gg,
+                                     update=empty[2])
+    assert h.shape == p_new.shape == (0, 3, 5)
+    (h.sum() + p_new.sum()).backward()
+    assert torch.equal(ww.grad, torch.zeros(5)) and torch.equal(gg.grad, torch.zeros(5))
+    assert empty[1].grad.shape == empty[2].grad.shape == (0, 3, 5)
+
+
+@pytest.mark.parametrize("input_norm", [False, True])
+def test_gradcheck_update(input_norm):
+    g = torch.Generator().manual_seed(26)
+    inputs = [leaf(randn(g, 2, 2, 5)), leaf(randn(g, 2, 2)), leaf(randn(g, 2, 2, 5)),
+              leaf(randn(g, 2, 2, 5, std=0.6)), leaf(randn(g, 5, std=0.5)),
+              leaf(randn(g, 5, mean=1.0, std=0.3)), leaf(randn(g, 5, mean=1.0, std=0.3))]
+
+    def fn(out, lse, p, y, w, gm, nw):
+        return block_attn_res_phase2(out, lse, p, w, gm, eps=0.05, scale=0.8,
+                                     norm_weight=nw if input_norm else None,
+                                     input_norm=input_norm, norm_eps=0.01, update=y)
+
+    assert torch.autograd.gradcheck(fn, tuple(inputs), eps=1e-6, atol=1e-8, rtol=1e-6)
+    # Through the op (make_fx-style tracing takes it; here a function mode does).
+    with CustomOpMode():
+        assert torch.autograd.gradcheck(fn, tuple(inputs), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+class CustomOpMode(torch.overrides.TorchFunctionMode):
+    """Changes nothing, but while it is active the front ends take the custom ops."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("requires_grad,input_norm,norm_weight,dtype", [
+    (True, True, True, torch.float32), (True, False, False, torch.float32),
+    (False, True, False, torch.float32), (True, True, True, torch.bfloat16)])
+def test_opcheck_phase2_update(requires_grad, input_norm, norm_weight, dtype):
+    out, lse, p, w, gm, nw = _opcheck_phase2_args(requires_grad, True, norm_weight)
+    y = torch.randn(p.shape, generator=torch.Generator().manual_seed(6))
+    if dtype != torch.float32:
+        out, p, w, gm, y = (t.detach().to(dtype).requires_grad_(requires_grad)
+                            for t in (out, p, w, gm, y))
+        nw = nw.detach().to(dtype).requires_grad_(requires_grad) if nw is not None else None
+    y.requires_grad_(requires_grad)
+    torch.library.opcheck(torch.ops.attnres.phase2_update.default,
+                          (out, lse, p, y, w, gm, nw, 1e-6, 0.5, True, input_norm, 1e-5))
+
+
+@pytest.mark.parametrize("need", [[True] * 6, [False, False, True, False, False, False],
+                                  [True, True, False, True, True, True]])
+def test_opcheck_phase2_backward_with_grad_partial_in(need):
+    out, lse, p, w, gm, nw = _opcheck_phase2_args(False, True, True)
+    g = torch.Generator().manual_seed(7)
+    grad, grad_in = torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g)
+    torch.library.opcheck(torch.ops.attnres.phase2_backward.default,
+                          (grad, out, lse, p, w, gm, nw, 1e-6, 0.5, True, True, 1e-5, need,
+                           grad_in))
+
+
+def test_update_compiled_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(27)
+    D = 8
+    args = [randn(g, 2, 3, D, dtype=torch.float32) for _ in range(3)]            # blocks
+    args += [randn(g, 3, D, std=0.4, dtype=torch.float32),                        # w
+             randn(g, 3, D, mean=1.0, std=0.2, dtype=torch.float32),              # gamma
+             randn(g, 2, 3, D, dtype=torch.float32),                              # partial
+             randn(g, 3, D, mean=1.0, std=0.2, dtype=torch.float32)]              # norm weights
+
+    def fn(b0, b1, b2, w, gamma, p, nw):
+        outs, lses = block_attn_res_phase1([b0, b1, b2], w, gamma, scale=0.7)
+        h1 = block_attn_res_phase2(outs[1], lses[1], p, w[1], gamma[1], scale=0.7)
+        h2, p2 = block_attn_res_phase2(outs[2], lses[2], p, w[2], gamma[2], scale=0.7,
+                                       norm_weight=nw[2], update=torch.tanh(h1))
+        return h2 * p2 + h1
+
+    before = custom_op_calls["attnres::phase2_update"]
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        xs = [leaf(a) for a in args]
+        y = f(*xs)
+        y.backward(torch.linspace(-1, 1, y.numel()).view(y.shape))
+        results.append((y.detach(), [x.grad for x in xs]))
+    assert custom_op_calls["attnres::phase2_update"] > before  # the compiled graph's op ran
+    (y, grads), (cy, cgrads) = results
+    torch.testing.assert_close(cy, y)
+    for a, b in zip(cgrads, grads):
+        torch.testing.assert_close(a, b)
+
+
+PHASE2_UPDATE_BAD = {
+    "update shape": (dict(update=torch.zeros(2, 3, 7)), "update"),
+    "update dtype": (dict(update=torch.zeros(2, 3, 8, dtype=torch.float64)), "update"),
+    "update device": (dict(update=torch.zeros(2, 3, 8, device="meta")), "update"),
+    "update not a tensor": (dict(update=[0.0] * 8), "update"),
+    "update without partial": (dict(partial=None, update=torch.zeros(2, 3, 8)), "update"),
+    "partial wrong with update": (dict(partial=torch.zeros(2, 3, 7),
+                                       update=torch.zeros(2, 3, 8)), "partial"),
+}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "autograd"])
+@pytest.mark.parametrize("case", PHASE2_UPDATE_BAD)
+def test_phase2_update_bad_inputs(case, grad):
+    edit, name = PHASE2_UPDATE_BAD[case]
+    args = _valid2()
+    args["update"] = torch.zeros(2, 3, 8)
+    args.update(edit)
+    if grad:
+        args["w"] = args["w"].detach().requires_grad_(True)
+    with pytest.raises(ValueError, match=_names(name)):
+        block_attn_res_phase2(args["out"], args["lse"], args["partial"], args["w"], args["gamma"],
+                              update=args["update"])
+
+
+def test_phase2_update_op_refuses_bad_update():
+    args = _valid2()
+    with pytest.raises(ValueError, match=_names("update")):
+        torch.ops.attnres.phase2_update(args["out"], args["lse"], args["partial"],
+                                        torch.zeros(2, 3, 7), args["w"], args["gamma"], None,
+                                        1e-6, 1.0, True, False, 1e-6)
+
+
+def test_phase2_backward_bad_grad_partial_in():
+    args = _valid2()
+    common = (args["out"], args["lse"])
+    rest = (args["w"], args["gamma"], None, 1e-6, 1.0, True, False, 1e-6, [True] * 6)
+    op = torch.ops.attnres.phase2_backward
+    with pytest.raises(ValueError, match=_names("grad_partial_in")):
+        op(torch.zeros(2, 3, 8), *common, args["partial"], *rest, torch.zeros(2, 3, 7))
+    with pytest.raises(ValueError, match=_names("grad_partial_in")):
+        op(torch.zeros(2, 3, 8), *common, None, *rest, torch.zeros(2, 3, 8))
+
+
+def test_update_takes_the_fast_path_and_matches_the_op_bitwise():
+    """Eager calls reach the library directly (no custom op runs) and give the op's bits,
+    forward and backward."""
+    out, lse, p, y, w, gamma, nw, grad_h, grad_p = update_inputs(torch.bfloat16, seed=28)
+    kw = dict(eps=1e-6, scale=0.8, rmsnorm=True, input_norm=True, norm_eps=1e-5)
+    results = []
+    for mode in (contextlib.nullcontext(), CustomOpMode()):
+        before = dict(custom_op_calls)
+        xs = [leaf(t) for t in (out, lse, p, y, w, gamma, nw)]
+        with mode:
+            h, p_new = block_attn_res_phase2(xs[0], xs[1], xs[2], xs[4], xs[5], norm_weight=xs[6],
+                                             update=xs[3], **kw)
+            torch.autograd.backward([h, p_new], [grad_h, grad_p])
+        ran = {k: v - before.get(k, 0) for k, v in custom_op_calls.items()
+               if v != before.get(k, 0)}
+        results.append(([h, p_new] + [x.grad for x in xs], ran))
+    (fast, fast_ran), (slow, slow_ran) = results
+    assert fast_ran == {}
+    assert slow_ran == {"attnres::phase2_update": 1, "attnres::phase2_backward": 1}
+    for i, (a, b) in enumerate(zip(fast, slow)):
+        assert same_bits(a, b), f"result {i}"
