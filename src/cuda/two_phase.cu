@@ -13,8 +13,10 @@
 //            U_s += sum_i c_{s,i} v_i;   dw_s = gamma_s U_s,  dgamma_s = w_s U_s
 //   phase 2  z_p = scale * dot(u, p) / r_p,  beta = sigmoid(lse - z_p)
 //            h = beta o + (1 - beta) p,  out = h or h / rms(h) * norm_weight
+//            (fused update: p = partial + y rounded to T, also written to new_partial)
 //     backward: dh through the norm, do = beta dh, dlse = dot(dh, o - p) beta (1 - beta),
-//            dp = (1 - beta) dh + c u + b p,  U += c p,  dnorm_weight += g h / r_h
+//            dp = (1 - beta) dh + c u + b p (+ grad_partial_in),  U += c p,
+//            dnorm_weight += g h / r_h
 //
 // Kernels.
 //   Phase 1: one CTA per token (Phase1Kernel). Pass 1 reads each block row once
@@ -28,6 +30,9 @@
 //     once per group) and the U_s.
 //   Phase 2: one warp per token (Phase2Kernel): a few passes over the token's o,
 //     p (and g) rows, warp-shuffle reductions only; h is recomputed, never stored.
+//     With the fused update the first pass forms p' = partial + y and stores it
+//     to new_partial; the later passes read p' back from there (each lane rereads
+//     the chunks it wrote itself, so no barrier), as the CPU's pre-pass does.
 //   Rows are read in 16-byte chunks (common.cuh: Chunk), chunk c owned by thread
 //     c % threads; the width of each access follows the row's alignment, never
 //     which thread computes what. float64 takes one element per chunk.
@@ -146,6 +151,28 @@ struct Io {
       } else {
         Chunk<T>::template StorePartial<Hint::kStreaming>(p, raw, static_cast<int>(left));
       }
+    }
+  }
+
+  // Stores x rounded to T and leaves the rounded values in x: what a later
+  // load of the chunk returns. Not evict-first: the kernel that writes such a
+  // row rereads it, and so does the next op.
+  static __device__ __forceinline__ void StoreRounded(Bits* row, int bytes, int64_t c, int64_t dim,
+                                                      Acc (&x)[kVec]) {
+    if constexpr (kScalar) {
+      const Bits b = Traits<T>::FromAcc(x[0]);
+      StoreHinted<Hint::kDefault>(row + c, b);
+      x[0] = Traits<T>::ToAcc(b);
+    } else {
+      Bits* p = row + c * kVec;
+      const int64_t left = dim - c * kVec;
+      const typename Chunk<T>::Raw raw = Chunk<T>::Pack(x);
+      if (left >= kVec) {
+        Chunk<T>::template Store<Hint::kDefault>(p, raw, bytes);
+      } else {
+        Chunk<T>::template StorePartial<Hint::kDefault>(p, raw, static_cast<int>(left));
+      }
+      Chunk<T>::Unpack(raw, x);
     }
   }
 
@@ -527,6 +554,8 @@ __global__ void __launch_bounds__(kPhase1MaxThreads)
 struct Phase2Args {
   const void* o;            // phase 1's o, [num_tokens, strides.source]
   const void* partial;      // or null: h = o
+  const void* partial_update;  // forward, optional: y, [num_tokens, strides.source]
+  void* new_partial;  // forward, with partial_update: p' = partial + y, [num_tokens, strides.out]
   const void* lse;          // Acc [num_tokens]; read only with a partial block
   const void* weights;      // Acc [1 + input_norm, row_chunks * kVec]: u, then the norm weight
   void* out;                // forward
@@ -534,6 +563,7 @@ struct Phase2Args {
   void* grad_o;             // backward, optional
   void* grad_lse;           // backward, optional, Acc [num_tokens]
   void* grad_partial;       // backward, optional
+  const void* grad_partial_in;  // backward, optional: [num_tokens, strides.grad_out]
   void* u_partials;         // backward: Acc [num_items, dim], or null
   void* norm_partials;      // backward: Acc [num_items, dim], or null
   PhaseShape shape;
@@ -544,7 +574,11 @@ struct Phase2Args {
   bool input_norm;
 };
 
-template <typename T, bool kBackward>
+// kFused: the fused partial-block update (forward: partial_update and new_partial;
+// backward: grad_partial_in), in kernels of its own so that the plain merge keeps
+// its registers (with the update inline, the 16-bit forward held 55-56 registers
+// rather than 40 on sm_90: 4 CTAs of 256 threads per SM instead of 6).
+template <typename T, bool kBackward, bool kFused>
 __global__ void __launch_bounds__(kPhase2Threads)
     Phase2Kernel(const __grid_constant__ Phase2Args args) {
   using IO = Io<T>;
@@ -567,17 +601,40 @@ __global__ void __launch_bounds__(kPhase2Threads)
       const Bits* o = IO::Row(args.o, t, shape.strides.source);
       const Bits* p = args.partial != nullptr ? IO::Row(args.partial, t, shape.strides.source)
                                               : nullptr;
-      const int o_bytes = AccessBytes(o), p_bytes = p != nullptr ? AccessBytes(p) : 16;
+      const int o_bytes = AccessBytes(o);
+      int p_bytes = p != nullptr ? AccessBytes(p) : 16;
       // The merge weight.
       Acc beta = 1, z = 0, r = 1;
       if (p != nullptr) {
+        // The fused forward: p' = partial + y, each element rounded to T as a separate
+        // addition would round it, is what the token merges.
+        constexpr bool kUpdate = kFused && !kBackward;
+        const Bits* update = nullptr;
+        Bits* p_new = nullptr;
+        int update_bytes = 16, p_new_bytes = 16;
+        if constexpr (kUpdate) {
+          update = IO::Row(args.partial_update, t, shape.strides.source);
+          p_new = IO::Row(args.new_partial, t, shape.strides.out);
+          update_bytes = AccessBytes(update);
+          p_new_bytes = AccessBytes(p_new);
+        }
         Acc dot = 0, sum_sq = 0;
         for (int64_t c = lane; c < shape.row_chunks; c += kWarpSize) {
           Acc x[kVec], y[kVec];
           IO::Load(p, p_bytes, c, dim, x);
+          if constexpr (kUpdate) {
+            IO::Load(update, update_bytes, c, dim, y);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) x[e] += y[e];
+            IO::StoreRounded(p_new, p_new_bytes, c, dim, x);  // x is now p'
+          }
           IO::LoadWeights(u, c, y);
           dot += Dot(y, x);
           sum_sq += Dot(x, x);
+        }
+        if constexpr (kUpdate) {  // every later pass merges p' (this lane's own stores)
+          p = p_new;
+          p_bytes = p_new_bytes;
         }
         dot = WarpSum(dot);
         sum_sq = WarpSum(sum_sq);
@@ -697,6 +754,11 @@ __global__ void __launch_bounds__(kPhase2Threads)
                            ? IO::Row(args.grad_partial, t, shape.strides.grad_source)
                            : nullptr;
         const int grad_p_bytes = grad_p != nullptr ? AccessBytes(grad_p) : 16;
+        // The fused backward: what p receives from its other uses (the fused update's
+        // p'), added before the one rounding to T.
+        const Bits* grad_p_in =
+            kFused ? IO::Row(args.grad_partial_in, t, shape.strides.grad_out) : nullptr;
+        const int grad_p_in_bytes = kFused ? AccessBytes(grad_p_in) : 16;
         for (int64_t c = lane; c < shape.row_chunks; c += kWarpSize) {
           Acc px[kVec];
           IO::Load(p, p_bytes, c, dim, px);
@@ -710,6 +772,12 @@ __global__ void __launch_bounds__(kPhase2Threads)
           IO::LoadWeights(u, c, uc);
 #pragma unroll
           for (int e = 0; e < kVec; ++e) dh[e] = keep * dh[e] + coef_u * uc[e] + coef_p * px[e];
+          if constexpr (kFused) {
+            Acc g_in[kVec];
+            IO::Load(grad_p_in, grad_p_in_bytes, c, dim, g_in);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) dh[e] += g_in[e];
+          }
           IO::Store(grad_p, grad_p_bytes, c, dim, dh);
         }
       }
@@ -762,11 +830,14 @@ attnres_status CheckPointers(const attnres_params& p, int phase, bool backward,
     if (p.input_norm) ptrs.emplace_back(p.norm_weight, "norm_weight");
     if (!backward) {
       ptrs.emplace_back(p.out, "out");
+      ptrs.emplace_back(p.partial_update, "partial_update");
+      ptrs.emplace_back(p.new_partial, "new_partial");
     } else {
       ptrs.emplace_back(p.grad_out, "grad_out");
       ptrs.emplace_back(p.grad_query_out, "grad_query_out");
       ptrs.emplace_back(p.grad_query_lse, "grad_query_lse");
       ptrs.emplace_back(p.grad_partial, "grad_partial");
+      ptrs.emplace_back(p.grad_partial_in, "grad_partial_in");
       ptrs.emplace_back(p.grad_norm_weight, "grad_norm_weight");
     }
   }
@@ -1003,12 +1074,15 @@ attnres_status RunPhase2(const Call& call) {
   }
   args.o = p.query_out;
   args.partial = p.partial;
+  args.partial_update = call.backward ? nullptr : p.partial_update;
+  args.new_partial = call.backward ? nullptr : p.new_partial;
   args.lse = p.query_lse;
   args.out = call.backward ? nullptr : p.out;
   args.grad_out = call.backward ? p.grad_out : nullptr;
   args.grad_o = call.backward ? p.grad_query_out : nullptr;
   args.grad_lse = call.backward ? p.grad_query_lse : nullptr;
   args.grad_partial = call.backward ? p.grad_partial : nullptr;
+  args.grad_partial_in = call.backward ? p.grad_partial_in : nullptr;
   args.u_partials = want_u ? u_rows : nullptr;
   args.norm_partials = want_norm ? norm_rows : nullptr;
   args.scale = p.scale;
@@ -1017,8 +1091,12 @@ attnres_status RunPhase2(const Call& call) {
   args.rmsnorm = p.rmsnorm != 0;
   args.input_norm = p.input_norm != 0;
 
-  const auto kernel = call.backward ? Phase2Kernel<T, true> : Phase2Kernel<T, false>;
-  const std::string name = KernelName("Phase2Kernel", call);
+  const bool fused = call.backward ? p.grad_partial_in != nullptr : p.partial_update != nullptr;
+  const auto kernel =
+      call.backward ? (fused ? Phase2Kernel<T, true, true> : Phase2Kernel<T, true, false>)
+                    : (fused ? Phase2Kernel<T, false, true> : Phase2Kernel<T, false, false>);
+  const std::string name =
+      KernelName("Phase2Kernel", call) + (fused ? " (fused partial-block update)" : "");
   int grid = 0;
   const int64_t ctas = (args.shape.num_items + kPhase2Warps - 1) / kPhase2Warps;
   if (attnres_status s = PersistentGrid(kernel, kPhase2Threads, 0, ctas, name, call.device, &grid);

@@ -3,7 +3,9 @@
 // memory), N in {1, 9} (and 130: block pointer tables in device memory, phase 1's
 // statistics in global memory), odd dims, padded rows, misaligned buffers, the
 // partial block and the input norm on and off, NULL gradient pointers and
-// accumulate_grads. Every output's padding and guard must be untouched, and
+// accumulate_grads, phase 2's fused partial-block update (new_partial bit for bit
+// the rounded sum, out bit for bit the plain merge of it; grad_partial_in).
+// Every output's padding and guard must be untouched, and
 // every result, the weight gradients included, bitwise identical across runs and
 // with the grid capped at 1 or 3 CTAs (ATTNRES_CUDA_MAX_CTAS).
 //
@@ -432,6 +434,10 @@ struct Phase2Case {
   int64_t pad = 0;
   size_t offset = 0;
   bool sparse = false;  // grad_query_out, grad_query_lse, grad_partial and dw NULL
+  // The fused update (needs partial): the forward adds y and writes p' to new_partial,
+  // the backward then reads p' as its partial block; and grad_partial_in (needs
+  // grad_partial, so not with sparse).
+  bool update = false, grad_partial_in = false;
   uint64_t seed = 1;
 
   std::string Describe() const {
@@ -439,7 +445,7 @@ struct Phase2Case {
     s << DTypeName(dtype) << " T=" << tokens << " D=" << dim << " partial=" << partial
       << " rmsnorm=" << rmsnorm << " gamma=" << gamma << " input_norm=" << input_norm
       << " norm_weight=" << norm_weight << " pad=" << pad << " offset=" << offset
-      << " sparse=" << sparse;
+      << " sparse=" << sparse << " update=" << update << " grad_partial_in=" << grad_partial_in;
     return s.str();
   }
 };
@@ -447,7 +453,11 @@ struct Phase2Case {
 struct Phase2Result {
   attnres_status forward = ATTNRES_OK, backward = ATTNRES_OK;
   std::string error, layout;
-  Vec out, grad_o, grad_lse, grad_p, grad_w, grad_gamma, grad_nw;
+  Vec out, new_p, grad_o, grad_lse, grad_p, grad_w, grad_gamma, grad_nw;
+  // With the update: the plain forward (no update) given the new_partial just
+  // written as its partial block; the bytes of its out.
+  attnres_status plain_forward = ATTNRES_OK;
+  std::vector<unsigned char> plain_out_bytes;
   std::vector<std::vector<unsigned char>> bytes;
 };
 
@@ -476,7 +486,13 @@ class Phase2Problem {
     nw_->Write(rng.Normal(D, 1, 0.2, dt));
     g_ = make(T, D, stride, dt, kInputPadding);
     g_->Write(rng.Normal(T * D, 0, 1, dt));
+    y_ = make(T, D, stride, dt, kInputPadding);
+    y_->Write(rng.Normal(T * D, 0, 0.3, dt));
+    g_in_ = make(T, D, stride, dt, kInputPadding);
+    g_in_->Write(rng.Normal(T * D, 0, 1, dt));
     out_ = make(T, D, stride, dt, kOutputSentinel);
+    plain_out_ = make(T, D, stride, dt, kOutputSentinel);
+    new_p_ = make(T, D, stride, dt, kOutputSentinel);
     grad_o_ = make(T, D, grad_stride, dt, kOutputSentinel);
     grad_lse_ = make(1, T, T, acc, kOutputSentinel);
     grad_p_ = make(T, D, grad_stride, dt, kOutputSentinel);
@@ -506,14 +522,41 @@ class Phase2Problem {
     p.norm_weight = c_.input_norm && c_.norm_weight ? nw_->ptr(cuda) : nullptr;
 
     out_->Fill(kOutputSentinel);
+    new_p_->Fill(kOutputSentinel);
     attnres_params fwd = p;
     fwd.out = out_->ptr(cuda);
     fwd.out_row_stride = c_.dim + c_.pad;
+    if (c_.update) {
+      fwd.partial_update = y_->ptr(cuda);
+      fwd.new_partial = new_p_->ptr(cuda);
+    }
     r.forward = RunOn(cuda, All(), [&] { return attnres_phase2_forward(&fwd); }, &r.error);
     r.out = out_->Read();
     if (!out_->OutsideIs(kOutputSentinel)) r.layout += "out padding written; ";
     r.bytes.push_back(out_->Bytes());
+    if (c_.update) {
+      r.new_p = new_p_->Read();
+      if (!new_p_->OutsideIs(kOutputSentinel)) r.layout += "new_partial padding written; ";
+      r.bytes.push_back(new_p_->Bytes());
+    } else {
+      const std::vector<unsigned char> bytes = new_p_->Bytes();
+      if (std::any_of(bytes.begin(), bytes.end(),
+                      [](unsigned char b) { return b != kOutputSentinel; })) {
+        r.layout += "new_partial written without partial_update; ";
+      }
+    }
     if (r.forward != ATTNRES_OK) return r;
+    if (c_.update) {
+      // From here on p' is the partial block, as the backward must be given it.
+      p.partial = new_p_->ptr(cuda);
+      plain_out_->Fill(kOutputSentinel);
+      attnres_params plain = p;
+      plain.out = plain_out_->ptr(cuda);
+      plain.out_row_stride = c_.dim + c_.pad;
+      r.plain_forward =
+          RunOn(cuda, All(), [&] { return attnres_phase2_forward(&plain); }, &r.error);
+      r.plain_out_bytes = plain_out_->Bytes();
+    }
 
     for (Twin* t : Outputs()) t->Fill(kOutputSentinel);
     attnres_params bwd = p;
@@ -526,6 +569,8 @@ class Phase2Problem {
     bwd.grad_proj_weight = c_.sparse ? nullptr : grad_w_->ptr(cuda);
     bwd.grad_gamma = c_.rmsnorm ? grad_gamma_->ptr(cuda) : nullptr;
     bwd.grad_norm_weight = c_.input_norm ? grad_nw_->ptr(cuda) : nullptr;
+    bwd.grad_partial_in =
+        c_.grad_partial_in && bwd.grad_partial != nullptr ? g_in_->ptr(cuda) : nullptr;
     r.backward = RunOn(cuda, All(), [&] { return attnres_phase2_backward(&bwd); }, &r.error);
     if (bwd.grad_query_out != nullptr) r.grad_o = grad_o_->Read();
     if (bwd.grad_query_lse != nullptr) r.grad_lse = grad_lse_->Read();
@@ -554,6 +599,21 @@ class Phase2Problem {
     return r;
   }
 
+  // round(partial + y) as a separate addition gives it: the sum in the accumulation
+  // type (float, or double for float64), rounded once to the dtype.
+  Vec RoundedSum() const {
+    const Vec p = p_->Read(), y = y_->Read();
+    Vec sum(p.size());
+    for (size_t i = 0; i < p.size(); ++i) {
+      sum[i] = c_.dtype == ATTNRES_DTYPE_FLOAT64
+                   ? p[i] + y[i]
+                   : RoundToDType(static_cast<double>(static_cast<float>(p[i]) +
+                                                      static_cast<float>(y[i])),
+                                  c_.dtype);
+    }
+    return sum;
+  }
+
  private:
   std::vector<Twin*> Outputs() {
     return {grad_o_.get(), grad_lse_.get(), grad_p_.get(), grad_w_.get(), grad_gamma_.get(),
@@ -562,14 +622,14 @@ class Phase2Problem {
   std::vector<Twin*> All() {
     std::vector<Twin*> all = Outputs();
     for (Twin* t : {o_.get(), p_.get(), lse_.get(), w_.get(), gamma_.get(), nw_.get(), g_.get(),
-                    out_.get()}) {
+                    out_.get(), y_.get(), g_in_.get(), new_p_.get(), plain_out_.get()}) {
       all.push_back(t);
     }
     return all;
   }
 
   Phase2Case c_;
-  TwinPtr o_, p_, lse_, w_, gamma_, nw_, g_, out_;
+  TwinPtr o_, p_, lse_, w_, gamma_, nw_, g_, out_, y_, g_in_, new_p_, plain_out_;
   TwinPtr grad_o_, grad_lse_, grad_p_, grad_w_, grad_gamma_, grad_nw_;
 };
 
@@ -585,6 +645,16 @@ void CheckPhase2(const Phase2Case& c) {
   EXPECT_EQ(cuda.layout, "");
   const Tolerance tol = ToleranceFor(c.dtype);
   ExpectClose("out", cuda.out, cpu.out, tol.out);
+  if (c.update) {
+    const Vec sum = problem.RoundedSum();
+    EXPECT_TRUE(cuda.new_p == sum) << "new_partial is not round(partial + partial_update)";
+    EXPECT_TRUE(cpu.new_p == sum) << "the CPU's new_partial is not round(partial + partial_update)";
+    // The merge takes the rounded p': the same bits as the plain merge of new_partial
+    // (merging the unrounded sum stays within out's tolerance in bf16/fp16).
+    ASSERT_EQ(cuda.plain_forward, ATTNRES_OK) << cuda.error;
+    EXPECT_TRUE(cuda.plain_out_bytes == cuda.bytes[0])
+        << "the fused forward's out differs from the plain forward given its new_partial";
+  }
   ExpectClose("grad_query_out", cuda.grad_o, cpu.grad_o, tol.grad);
   ExpectClose("grad_query_lse", cuda.grad_lse, cpu.grad_lse, tol.grad);
   ExpectClose("grad_partial", cuda.grad_p, cpu.grad_p, tol.grad);
@@ -630,6 +700,36 @@ TEST(CudaTwoPhase, Phase2MatchesCpu) {
   }
 }
 
+// The fused partial-block update, forward and backward apart and together.
+TEST(CudaTwoPhase, Phase2FusedUpdateMatchesCpu) {
+  ATTNRES_SKIP_WITHOUT_CUDA();
+  int k = 0;
+  for (attnres_dtype dtype : kAllDTypes) {
+    for (int fused : {1, 2, 3}) {  // bit 0: partial_update, bit 1: grad_partial_in
+      for (bool input_norm : {false, true}) {
+        for (int64_t D : {37, 1029}) {
+          Phase2Case c;
+          c.dtype = dtype;
+          c.update = fused & 1;
+          c.grad_partial_in = fused & 2;
+          c.input_norm = input_norm;
+          c.dim = D;
+          c.tokens = 45;
+          c.rmsnorm = k % 4 != 3;
+          c.gamma = k % 3 != 2;
+          c.norm_weight = k % 5 != 4;
+          c.scale = k % 2 ? 0.7 : 1.0;
+          c.pad = k % 2 ? 3 : 0;
+          c.offset = k % 3 == 1 ? 1 : 0;
+          c.sparse = fused == 1 && k % 4 == 0;  // no grad_partial: no grad_partial_in
+          c.seed = 300 + k++;
+          CheckPhase2(c);
+        }
+      }
+    }
+  }
+}
+
 TEST(CudaTwoPhase, Phase2ManyTokens) {
   ATTNRES_SKIP_WITHOUT_CUDA();
   for (attnres_dtype dtype : {ATTNRES_DTYPE_BFLOAT16, ATTNRES_DTYPE_FLOAT32}) {
@@ -639,6 +739,9 @@ TEST(CudaTwoPhase, Phase2ManyTokens) {
     c.dim = 64;
     c.input_norm = true;
     c.seed = 11;
+    CheckPhase2(c);
+    c.update = c.grad_partial_in = true;
+    c.seed = 12;
     CheckPhase2(c);
   }
 }

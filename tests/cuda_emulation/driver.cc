@@ -33,7 +33,9 @@
 // null source gradients, L > 128 (pointer tables in memory), with and without
 // the forward's caches; generic kernels in all four dtypes incl. rows too wide
 // for any fused layout; phase 1/2 forward and backward (accumulate, null
-// gradients, S > 32, input norm, no partial block); every dw/dgamma/dnorm_weight
+// gradients, S > 32, input norm, no partial block; phase 2's fused partial-block
+// update: new_partial bit for bit round(partial + y), out bit for bit the plain
+// merge of it, grad_partial_in added); every dw/dgamma/dnorm_weight
 // through ReduceRowsKernel, with more partial rows than its 8 row lanes. Also
 // checked: padding and guard bytes untouched, null gradients not written.
 // Runtime: about 45 s to build and 85 s to run on 2 cores.
@@ -139,18 +141,21 @@ static void Check(const std::string& what, const std::vector<double>& got,
   Fail(buf);
 }
 
-static void CheckBits(const std::string& what, const void* a, const void* b, size_t bytes) {
+// determinism = false: two different launches that must agree (not two grid sizes).
+static void CheckBits(const std::string& what, const void* a, const void* b, size_t bytes,
+                      bool determinism = true) {
   Family& f = g_families[g_family];
   ++f.checks;
   if (memcmp(a, b, bytes) == 0) return;
-  ++f.det_failures;
+  if (determinism) ++f.det_failures;
   ++f.failures;
   const unsigned char* x = static_cast<const unsigned char*>(a);
   const unsigned char* y = static_cast<const unsigned char*>(b);
   size_t first = 0;
   while (x[first] == y[first]) ++first;
-  Fail("determinism: " + what + " differs between the two grid sizes (first differing byte " +
-       std::to_string(first) + " of " + std::to_string(bytes) + ")");
+  Fail((determinism ? "determinism: " + what + " differs between the two grid sizes"
+                     : what + ": the bits differ") +
+       " (first differing byte " + std::to_string(first) + " of " + std::to_string(bytes) + ")");
 }
 
 // ---------------------------------------------------------------------------
@@ -666,7 +671,33 @@ struct Phase2Case {
   int mis, pad;
   int null_grads;  // bit 0: grad_o, bit 1: grad_partial, bit 2: grad_lse null
   int caps[2];
+  // The fused partial-block update: bit 0, the forward adds y (partial_update) and
+  // writes p' (new_partial); bit 1, the backward adds grad_partial_in. Both need a
+  // partial block; with bit 0 the backward reads p' as its partial block.
+  int fused = 0;
 };
+
+// The bits of a + b computed as a separate addition would (in the accumulation
+// type, then rounded to T to nearest even), worked out here rather than through
+// Traits<T>::FromAcc, which the kernel's own stores use.
+template <typename T>
+BitsOf<T> AddRounded(BitsOf<T> a, BitsOf<T> b) {
+  const AccOf<T> sum = Traits<T>::ToAcc(a) + Traits<T>::ToAcc(b);
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    uint32_t bits;
+    memcpy(&bits, &sum, sizeof bits);
+    return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    const _Float16 h = static_cast<_Float16>(sum);
+    uint16_t bits;
+    memcpy(&bits, &h, sizeof bits);
+    return bits;
+  } else {
+    BitsOf<T> bits;
+    memcpy(&bits, &sum, sizeof bits);
+    return bits;
+  }
+}
 
 template <typename T>
 void RunPhase2(const Phase2Case& c, uint64_t seed) {
@@ -678,14 +709,28 @@ void RunPhase2(const Phase2Case& c, uint64_t seed) {
   g_family = "phase2";
   Family& fam = g_families[g_family];
   ++fam.cases;
+  const bool update = c.partial && (c.fused & 1);
+  const bool grad_in = c.partial && (c.fused & 2) && !(c.null_grads & 2);
   char desc[256];
-  snprintf(desc, sizeof desc, "%s T=%ld D=%ld rmsnorm=%d partial=%d input_norm=%d dw=%d mis=%d pad=%d null_grads=0x%x",
-           DtypeName<T>(), (long)T_, (long)D, c.rmsnorm, c.partial, c.input_norm, c.weight_grads, c.mis, c.pad, c.null_grads);
+  snprintf(desc, sizeof desc, "%s T=%ld D=%ld rmsnorm=%d partial=%d input_norm=%d dw=%d mis=%d pad=%d null_grads=0x%x fused=%d",
+           DtypeName<T>(), (long)T_, (long)D, c.rmsnorm, c.partial, c.input_norm, c.weight_grads, c.mis, c.pad, c.null_grads,
+           (update ? 1 : 0) | (grad_in ? 2 : 0));
   g_case = desc;
   g_case_failed = false;
   Rng rng(seed);
   Mat<T> o(T_, D, St, c.mis), p(T_, D, St, c.mis), g(T_, D, St + 3, c.mis);
   o.Fill(rng); p.Fill(rng); g.Fill(rng);
+  // The fused update's y (a sub-layer's output, smaller than p), the p' = p + y it
+  // must give (the backward's partial block), and the gradient p' gets elsewhere.
+  Mat<T> y(T_, D, St, c.mis), p_new(T_, D, St, c.mis), g_in(T_, D, St + 3, c.mis);
+  if (update) {
+    y.Fill(rng, 0.3);
+    for (int64_t t = 0; t < T_; ++t)
+      for (int64_t d = 0; d < D; ++d)
+        p_new.ptr()[t * St + d] = AddRounded<T>(p.ptr()[t * St + d], y.ptr()[t * St + d]);
+  }
+  if (grad_in) g_in.Fill(rng);
+  const Mat<T>& merged = update ? p_new : p;  // the partial block that is merged
   Buf lse(T_ * sizeof(Acc));
   for (int64_t t = 0; t < T_; ++t) lse.template at<Acc>()[t] = static_cast<Acc>(1.0 + rng.Normal());
   Mat<T> w(1, D, D, 0), gamma(1, D, D, 0), nw(1, D, D, 0);
@@ -697,7 +742,7 @@ void RunPhase2(const Phase2Case& c, uint64_t seed) {
   prob.tokens = T_; prob.dim = D; prob.has_partial = c.partial; prob.rmsnorm = c.rmsnorm; prob.input_norm = c.input_norm;
   prob.scale = scale; prob.eps = eps; prob.norm_eps = norm_eps;
   prob.out = o.Dense(); prob.lse = AccVector<Acc>(lse, T_);
-  if (c.partial) prob.partial = p.Dense();
+  if (c.partial) prob.partial = merged.Dense();
   prob.w = w.Dense();
   if (c.rmsnorm) prob.gamma = gamma.Dense();
   if (c.input_norm) prob.norm_weight = nw.Dense();
@@ -715,40 +760,51 @@ void RunPhase2(const Phase2Case& c, uint64_t seed) {
     });
   }
   struct Out {
-    Mat<T> out{1, 1, 1, 0}, go{1, 1, 1, 0}, gp{1, 1, 1, 0};
+    Mat<T> out{1, 1, 1, 0}, go{1, 1, 1, 0}, gp{1, 1, 1, 0}, np{1, 1, 1, 0};
     Buf glse, rows, dw, dgamma, dnw;
   };
   std::string kname;
-  auto launch = [&](bool backward, int cap, Out& r) {
+  // fuse: the forward with the fused update (else it merges `merged` as is).
+  auto launch = [&](bool backward, int cap, Out& r, bool fuse = false) {
     const bool wg = backward && c.weight_grads;
     const int64_t tpi = wg ? TokensPerItem(T_, 2, D, sizeof(Acc)) : 1;
     const int64_t items = (T_ + tpi - 1) / tpi;
     r.out = Mat<T>(T_, D, St + 1, c.mis);
     r.go = Mat<T>(T_, D, St + 2, c.mis);
     r.gp = Mat<T>(T_, D, St + 2, c.mis);
+    r.np = Mat<T>(T_, D, St + 1, c.mis);  // new_partial: out's stride
     r.glse = Buf(T_ * sizeof(Acc), 0x5C);
     r.rows = Buf(2 * items * D * sizeof(Acc), 0x42);
     Phase2Args a;
     a.shape = {T_, tpi, items, D, row_chunks, {St, St + 1, St + 3, St + 2}};
-    a.o = o.ptr(); a.partial = c.partial ? p.ptr() : nullptr; a.lse = lse.p; a.weights = weights.p;
+    a.o = o.ptr(); a.lse = lse.p; a.weights = weights.p;
+    a.partial = !c.partial ? nullptr : fuse ? p.ptr() : merged.ptr();
+    a.partial_update = fuse ? y.ptr() : nullptr;
+    a.new_partial = fuse ? r.np.ptr() : nullptr;
     a.out = backward ? nullptr : r.out.ptr();
     a.grad_out = backward ? g.ptr() : nullptr;
     a.grad_o = backward && !(c.null_grads & 1) ? r.go.ptr() : nullptr;
     a.grad_partial = backward && !(c.null_grads & 2) ? r.gp.ptr() : nullptr;
     a.grad_lse = backward && !(c.null_grads & 4) ? r.glse.p : nullptr;
+    a.grad_partial_in = backward && grad_in ? g_in.ptr() : nullptr;
     a.u_partials = wg ? r.rows.p : nullptr;
     a.norm_partials = wg && c.input_norm ? r.rows.p + items * D * sizeof(Acc) : nullptr;
     a.scale = scale; a.eps = eps; a.norm_eps = norm_eps; a.rmsnorm = c.rmsnorm; a.input_norm = c.input_norm;
     const int64_t ctas = (items + kPhase2Warps - 1) / kPhase2Warps;
     const int grid = static_cast<int>(plan::PersistentGridSize(ctas, 1, 1 << 20, cap));
     g_last_grid = grid;
-    if (backward) emu::Launch(dim3(grid), dim3(kPhase2Threads), 0, [&] { Phase2Kernel<T, true>(a); });
-    else emu::Launch(dim3(grid), dim3(kPhase2Threads), 0, [&] { Phase2Kernel<T, false>(a); });
+    // The fused update has kernels of its own, picked as RunPhase2 picks them.
+    const bool fused = backward ? a.grad_partial_in != nullptr : a.partial_update != nullptr;
+    emu::Launch(dim3(grid), dim3(kPhase2Threads), 0, [&] {
+      if (backward) fused ? Phase2Kernel<T, true, true>(a) : Phase2Kernel<T, true, false>(a);
+      else fused ? Phase2Kernel<T, false, true>(a) : Phase2Kernel<T, false, false>(a);
+    });
     char k[160];
     snprintf(k, sizeof k, "Phase2Kernel<%s,%s> grid=%d items=%ld tokens/item=%ld", DtypeName<T>(),
              backward ? "backward" : "forward", grid, (long)items, (long)tpi);
     kname = k;
-    fam.covered.insert(std::string(DtypeName<T>()) + (backward ? " bwd" : " fwd"));
+    fam.covered.insert(std::string(DtypeName<T>()) + (backward ? " bwd" : " fwd") +
+                       (fuse || (backward && grad_in) ? " fused" : ""));
     r.dw = Buf(D * sizeof(BitsOf<T>), 0x5C);
     r.dgamma = Buf(D * sizeof(BitsOf<T>), 0x5C);
     r.dnw = Buf(D * sizeof(BitsOf<T>), 0x5C);
@@ -763,16 +819,49 @@ void RunPhase2(const Phase2Case& c, uint64_t seed) {
     return v;
   };
   Out f;
-  launch(false, c.caps[0], f);
+  launch(false, c.caps[0], f, update);
   g_case = std::string(desc) + " | " + kname;
   Check("out", f.out.Dense(), rf, tol.out);
   CheckPadding("out", f.out);
+  if (update) {
+    // new_partial must be the rounded sum bit for bit, and the merge must use those
+    // rounded values: the same bits of out as merging p' given as the partial block
+    // (merging the unrounded sum is within out's tolerance in bf16/fp16, not bitwise).
+    ++fam.checks;
+    size_t wrong = 0, first = 0;
+    for (int64_t t = 0; t < T_; ++t)
+      for (int64_t d = 0; d < D; ++d)
+        if (f.np.ptr()[t * (St + 1) + d] != p_new.ptr()[t * St + d] && wrong++ == 0) first = t * D + d;
+    if (wrong != 0) {
+      ++fam.failures;
+      const std::vector<double> got = f.np.Dense(), want = p_new.Dense();
+      Fail("new_partial: " + std::to_string(wrong) + " elements differ from round(partial + y) (first at " +
+           std::to_string(first) + ": expected " + std::to_string(want[first]) + ", got " + std::to_string(got[first]) + ")");
+    }
+    CheckPadding("new_partial", f.np);
+    Out unfused, capped;
+    launch(false, c.caps[0], unfused);
+    launch(false, c.caps[1], capped, true);
+    CheckBits("out, fused update vs p' given as the partial block", f.out.buf.p, unfused.out.buf.p,
+              f.out.buf.bytes, false);
+    const std::string caps = " (grid caps " + std::to_string(c.caps[0]) + " vs " + std::to_string(c.caps[1]) + ")";
+    CheckBits("out, fused update" + caps, f.out.buf.p, capped.out.buf.p, f.out.buf.bytes);
+    CheckBits("new_partial" + caps, f.np.buf.p, capped.np.buf.p, f.np.buf.bytes);
+  }
   Out a, b;
   launch(true, c.caps[0], a);
   const int grid_a = g_last_grid;
   g_case = std::string(desc) + " | " + kname;
   if (!(c.null_grads & 1)) { Check("grad_o", a.go.Dense(), rb.grad_out, tol.grad); CheckPadding("grad_o", a.go); }
-  if (!(c.null_grads & 2) && c.partial) { Check("grad_partial", a.gp.Dense(), rb.grad_partial, tol.grad); CheckPadding("grad_partial", a.gp); }
+  if (!(c.null_grads & 2) && c.partial) {
+    std::vector<double> want = rb.grad_partial;
+    if (grad_in) {
+      const std::vector<double> in = g_in.Dense();
+      for (size_t k = 0; k < want.size(); ++k) want[k] += in[k];
+    }
+    Check(grad_in ? "grad_partial (+ grad_partial_in)" : "grad_partial", a.gp.Dense(), want, tol.grad);
+    CheckPadding("grad_partial", a.gp);
+  }
   if (!(c.null_grads & 4) && c.partial) Check("grad_lse", AccVector<Acc>(a.glse, T_), rb.grad_lse, tol.grad);
   if (c.weight_grads) {
     Check("dw (ReduceRowsKernel)", row(a.dw), rb.grad_w, tol.grad);
@@ -899,6 +988,14 @@ int main(int argc, char** argv) {
         {40, 12, 0, true, true, true, true, 2, 1, 0b011, {1, 4}},
         {150, 4, 1, true, true, true, true, 0, 0, 0, {1, 2}},  // > 8 items: ReduceRows lanes wrap
         {300, 4, 0, true, true, false, true, 1, 0, 0, {1, 3}},  // 38 items, 5 CTAs: two grid sizes
+        // The fused update (last field: 1 forward, 2 backward's grad_partial_in, 3 both),
+        // odd widths, misaligned and padded rows, rmsnorm and the input norm on and off.
+        {21, 25, 1, true, true, true, true, 1, 3, 0, {1, 3}, 3},
+        {21, 25, 0, false, true, false, true, 0, 8, 0, {1, 2}, 3},
+        {13, 130, 3, true, true, false, false, 3, 5, 0b001, {1, 2}, 1},
+        {40, 12, 2, false, true, true, true, 2, 1, 0b100, {1, 4}, 2},
+        {40, 12, 1, true, true, true, false, 0, 0, 0b010, {1, 4}, 3},  // no grad_partial: no grad_partial_in
+        {150, 4, 1, true, true, true, true, 0, 0, 0, {1, 2}, 3},
     };
     for (const Phase2Case& c : cases) { EACH_TYPE(true, RunPhase2<T>(c, seed)); ++seed; }
   }
