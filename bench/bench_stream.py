@@ -131,6 +131,54 @@ def bench_phase1(dim: int, num_blocks: int, num_queries: int, tokens: int, dtype
     }
 
 
+def bench_phase2_step(dim: int, tokens: int, dtype, repeat: int,
+                      bandwidth: Dict[str, float]) -> dict:
+    """One sub-layer's residual step inside a block, with the input norm: the partial
+    block grows by the last output y, then phase 2 merges it. Separate (torch's add,
+    then phase 2) against fused (phase 2 with update=y), forward and backward through
+    autograd (the backward with a gradient arriving at the new partial block too, as
+    from the next sub-layer), alternated; the results are checked bitwise first."""
+    gen = torch.Generator().manual_seed(0)
+    rows = lambda: torch.randn(tokens, dim, generator=gen).to(dtype).requires_grad_()
+    o, p, y = rows(), rows(), rows()
+    lse = torch.randn(tokens, generator=gen).requires_grad_()
+    w = (0.02 * torch.randn(dim, generator=gen)).to(dtype).requires_grad_()
+    gamma, nw = (torch.ones(dim, dtype=dtype, requires_grad=True) for _ in range(2))
+    g_x, g_p = (torch.randn(tokens, dim, generator=gen).to(dtype) for _ in range(2))
+    kw = dict(norm_weight=nw, input_norm=True)
+
+    def separate():
+        q = p + y
+        return attnres.block_attn_res_phase2(o, lse, q, w, gamma, **kw), q
+
+    def fused():
+        return attnres.block_attn_res_phase2(o, lse, p, w, gamma, update=y, **kw)
+
+    with torch.no_grad():
+        a, b = separate(), fused()
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), "fused != separate"
+    leaves = (o, lse, p, y, w, gamma, nw)
+    runs = {k: [] for k in ("separate_fwd", "fused_fwd", "separate_bwd", "fused_bwd")}
+    for _ in range(max(repeat, 5)):
+        for name, step in (("separate", separate), ("fused", fused)):
+            with torch.no_grad():
+                runs[name + "_fwd"].append(timed(step, 1))
+            x, q = step()
+            start = time.perf_counter()  # once: the graph is freed by the backward
+            torch.autograd.backward([x, q], [g_x, g_p])
+            runs[name + "_bwd"].append((time.perf_counter() - start) * 1e3)
+            for t in leaves:
+                t.grad = None
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    elem = torch.tensor([], dtype=dtype).element_size()
+    row = tokens * dim * elem
+    # Forward rows moved: fused reads o, p, y and writes p', x (5); separate, the add's
+    # 3 (p, y in, p' out) and phase 2's 3 (o, p' in, x out).
+    med["fused_fwd_gbs"] = 5 * row / med["fused_fwd"] / 1e6
+    med["fused_fwd_fraction"] = med["fused_fwd_gbs"] / bandwidth["read_gbs"]
+    return {"dim": dim, "tokens": tokens, **med}
+
+
 def bench_model(shape: dict, dtype, repeat: int) -> dict:
     dim, layers, block_size, tokens = (shape[k] for k in ("dim", "num_sublayers", "block_size",
                                                            "tokens"))
@@ -175,7 +223,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         n = shape["num_sublayers"] // shape["block_size"]  # completed blocks at the last start
         phase1 = bench_phase1(shape["dim"], n, shape["block_size"], shape["tokens"], dtype,
                               args.repeat, bandwidth, fma_per_s)
-        report["shapes"][name] = {"shape": shape, "model": model, "phase1": phase1}
+        step = bench_phase2_step(shape["dim"], shape["tokens"], dtype, args.repeat, bandwidth)
+        report["shapes"][name] = {"shape": shape, "model": model, "phase1": phase1,
+                                  "phase2_step": step}
     if args.json:
         json.dump(report, sys.stdout, indent=1)
         print()
@@ -199,6 +249,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{p['fwd_compute_ms']:.1f} ms; backward {p['bwd_ms']:.1f} ms = "
               f"{p['bwd_gbs']:.1f} GB/s = {p['bwd_fraction']:.2f} of copy, compute floor "
               f"{p['bwd_compute_ms']:.1f} ms")
+        t = r["phase2_step"]
+        print(f"phase 2 step with the partial-block update (add + phase 2 -> fused): forward "
+              f"{t['separate_fwd']:.2f} -> {t['fused_fwd']:.2f} ms "
+              f"({t['separate_fwd'] / t['fused_fwd']:.2f}x; fused {t['fused_fwd_gbs']:.1f} GB/s "
+              f"= {t['fused_fwd_fraction']:.2f} of read), backward {t['separate_bwd']:.2f} -> "
+              f"{t['fused_bwd']:.2f} ms ({t['separate_bwd'] / t['fused_bwd']:.2f}x)")
     return 0
 
 
