@@ -137,19 +137,20 @@ struct Io {
     }
   }
 
-  // Written once, read by the next op only: evict-first.
+  // Evict-first by default: most rows are written once and read by the next op only.
+  template <Hint kHint = Hint::kStreaming>
   static __device__ __forceinline__ void Store(Bits* row, int bytes, int64_t c, int64_t dim,
                                                const Acc (&x)[kVec]) {
     if constexpr (kScalar) {
-      StoreHinted<Hint::kStreaming>(row + c, Traits<T>::FromAcc(x[0]));
+      StoreHinted<kHint>(row + c, Traits<T>::FromAcc(x[0]));
     } else {
       Bits* p = row + c * kVec;
       const int64_t left = dim - c * kVec;
       const typename Chunk<T>::Raw raw = Chunk<T>::Pack(x);
       if (left >= kVec) {
-        Chunk<T>::template Store<Hint::kStreaming>(p, raw, bytes);
+        Chunk<T>::template Store<kHint>(p, raw, bytes);
       } else {
-        Chunk<T>::template StorePartial<Hint::kStreaming>(p, raw, static_cast<int>(left));
+        Chunk<T>::template StorePartial<kHint>(p, raw, static_cast<int>(left));
       }
     }
   }
@@ -159,20 +160,11 @@ struct Io {
   // row rereads it, and so does the next op.
   static __device__ __forceinline__ void StoreRounded(Bits* row, int bytes, int64_t c, int64_t dim,
                                                       Acc (&x)[kVec]) {
+    Store<Hint::kDefault>(row, bytes, c, dim, x);
     if constexpr (kScalar) {
-      const Bits b = Traits<T>::FromAcc(x[0]);
-      StoreHinted<Hint::kDefault>(row + c, b);
-      x[0] = Traits<T>::ToAcc(b);
+      x[0] = Traits<T>::ToAcc(Traits<T>::FromAcc(x[0]));
     } else {
-      Bits* p = row + c * kVec;
-      const int64_t left = dim - c * kVec;
-      const typename Chunk<T>::Raw raw = Chunk<T>::Pack(x);
-      if (left >= kVec) {
-        Chunk<T>::template Store<Hint::kDefault>(p, raw, bytes);
-      } else {
-        Chunk<T>::template StorePartial<Hint::kDefault>(p, raw, static_cast<int>(left));
-      }
-      Chunk<T>::Unpack(raw, x);
+      Chunk<T>::Unpack(Chunk<T>::Pack(x), x);
     }
   }
 
