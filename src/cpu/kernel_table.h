@@ -72,6 +72,7 @@ struct PhaseInfo : RowsInfo {
   int64_t num_blocks, num_queries;
   double norm_eps;
   bool input_norm, accumulate_grads;
+  bool stream_stores;  // phase 1: write the outputs (dv rows backward) with non-temporal stores
   // Phase 1: the blocks, and per query its output and LSE (gradients backward).
   const void* const* blocks;
   void* const* query_outs;
@@ -95,14 +96,19 @@ struct PhaseInfo : RowsInfo {
   const void* norm_weight;  // phase 2 with input_norm: A[padded_dim], ones for NULL
 };
 
+// Phase 1's running dot products of one block row with one group of queries: up
+// to 8 queries and the sum of squares, 2 vectors of at most 64 bytes each
+// (two_phase.cc: kGroup).
+constexpr int64_t kPhaseGroupSumsBytes = (8 + 1) * 2 * 64;
 // Bytes of scratch of one thread for the two-phase kernels: pointer tables
-// (4S + 2N), then in A: the S grad_out rows widened (phase 1 backward), the stats
-// z, a, dz [S, N], r, b [N] and 2S dot products.
+// (4S + 2N), the running sums of N block rows, then in A: the S grad_out rows
+// widened (phase 1 backward) and the stats z, a, dz [S, N], r, b [N].
 inline int64_t PhaseScratchBytes(int64_t num_queries, int64_t num_blocks, int64_t padded_dim,
                                  int64_t accum_bytes) {
   const int64_t S = num_queries, N = num_blocks;
   const int64_t pointers = (4 * S + 2 * N) * static_cast<int64_t>(sizeof(void*));
-  return (pointers + 63) / 64 * 64 + (S * padded_dim + 3 * S * N + 2 * N + 2 * S) * accum_bytes;
+  return (pointers + 63) / 64 * 64 + N * kPhaseGroupSumsBytes +
+         (S * padded_dim + 3 * S * N + 2 * N) * accum_bytes;
 }
 // Rows of weight-gradient partial sums per chunk of the backward: phase 1 U_s
 // ([S, padded_dim]); phase 2 U and the norm weight's ([2, padded_dim]).

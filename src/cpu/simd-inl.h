@@ -261,6 +261,21 @@ struct Row {
     for (; d < d_end; d += kPair) step(d, std::integral_constant<int, 2>{}, dim - d < kPair ? dim - d : kPair);
   }
 
+  // step(d, n) for every pair of elements [d_begin, d_end) of a row of dim, in order: the whole pairs
+  // with n = kPair as a compile-time constant, then the short last one (n < kPair).
+  // Load2/Store2 stage only a short pair through a buffer (a memcpy call): kept out
+  // of the loop, it no longer makes the compiler keep every accumulator of the
+  // loop on the stack (a store per accumulator and pair; phase 1's dot products
+  // ran at half speed on AVX-512).
+  // [d_begin, d_end): d_begin a multiple of kPair, d_end one too or dim.
+  template <typename Step>
+  ATTNRES_INLINE static void ForEachPair(int64_t d_begin, int64_t d_end, int64_t dim,
+                                         const Step& step) {
+    int64_t d = d_begin;
+    for (; d + kPair <= d_end; d += kPair) step(d, std::integral_constant<int64_t, kPair>{});
+    if (d < d_end) step(d, dim - d);
+  }
+
   // The K vectors of a chunk at p, as ForEachChunk's step gets them.
   template <int K>
   static void LoadChunk(const T* p, int64_t n, V (&v)[K]) {

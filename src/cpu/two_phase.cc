@@ -30,9 +30,19 @@
 namespace attnres::cpu {
 namespace {
 
-// Queries whose accumulators share one read of a row: 4 queries x 2 vectors of
-// sums, the row's 2 vectors and the loads fit in the 16 registers of AVX2.
-constexpr int kGroup = 4;
+// Queries whose accumulators share one read of a row: kGroup queries x 2 vectors of
+// sums, the row's 2 vectors and the loads fit in the registers (16 on AVX2, 32 on
+// AVX-512, where 8 queries read each row once at S = 6 or 8 instead of twice).
+constexpr int kGroup = kVectorBytes == 64 ? 8 : 4;
+
+// f(std::integral_constant<int, Q>{}) with Q = q, for 1 <= q <= kGroup.
+template <int Q = kGroup, typename F>
+inline void WithGroupSize(int64_t q, const F& f) {
+  if constexpr (Q > 1) {
+    if (q < Q) return WithGroupSize<Q - 1>(q, f);
+  }
+  f(std::integral_constant<int, Q>{});
+}
 
 template <typename T>
 struct PhaseRow : Row<T> {
@@ -46,14 +56,26 @@ struct PhaseRow : Row<T> {
   using R::StoreA;
   using R::Sum;
 
-  // dots[q] = dot(rows[q], x) for the Q rows of A, and (kSumSq) *sum_sq = sum(x^2).
+  // Adds the products over elements [d_begin, d_end) (as ForEachPair) to the
+  // running sums in `sums` (Q + 1 pairs of vectors of A, kept between calls):
+  // pair q, dot(rows[q], x); pair Q, sum(x^2) when kSumSq. `ahead` (or null) is
+  // asked into L2 at the same pace.
   template <int Q, bool kSumSq>
-  [[gnu::noinline]] static void GroupDots(const T* x, const A* const* rows, int64_t dim, A* sum_sq,
-                                          A* dots) {
-    V acc[Q][2] = {}, sq[2] = {};
-    for (int64_t d = 0; d < dim; d += kPair) {
+  [[gnu::noinline]] static void GroupDots(const T* x, const T* ahead, const A* const* rows,
+                                          int64_t d_begin, int64_t d_end, int64_t dim, A* sums) {
+    V acc[Q][2], sq[2];
+    for (int q = 0; q < Q; ++q) {
+      acc[q][0] = LoadA(sums + 2 * q * kLanes);
+      acc[q][1] = LoadA(sums + (2 * q + 1) * kLanes);
+    }
+    if (kSumSq) {
+      sq[0] = LoadA(sums + 2 * Q * kLanes);
+      sq[1] = LoadA(sums + (2 * Q + 1) * kLanes);
+    }
+    R::ForEachPair(d_begin, d_end, dim, [&](int64_t d, auto n) ATTNRES_INLINE {
+      if (ahead != nullptr) R::template PrefetchSpan<kPair, 2>(ahead + d);
       V lo, hi;
-      R::Load2(x + d, dim - d, lo, hi);
+      R::Load2(x + d, n, lo, hi);
       if (kSumSq) {
         sq[0] += lo * lo;
         sq[1] += hi * hi;
@@ -62,36 +84,41 @@ struct PhaseRow : Row<T> {
         acc[q][0] += lo * LoadA(rows[q] + d);
         acc[q][1] += hi * LoadA(rows[q] + d + kLanes);
       }
+    });
+    for (int q = 0; q < Q; ++q) {
+      StoreA(sums + 2 * q * kLanes, acc[q][0]);
+      StoreA(sums + (2 * q + 1) * kLanes, acc[q][1]);
     }
-    for (int q = 0; q < Q; ++q) dots[q] = Sum(acc[q][0] + acc[q][1]);
-    if (kSumSq) *sum_sq = Sum(sq[0] + sq[1]);
+    if (kSumSq) {
+      StoreA(sums + 2 * Q * kLanes, sq[0]);
+      StoreA(sums + (2 * Q + 1) * kLanes, sq[1]);
+    }
   }
 
-  // dots[k] = dot(rows[k], x) for k < count, and sum(x^2): one read of x per group.
-  static void Dots(const T* x, const A* const* rows, int64_t count, int64_t dim, A* sum_sq, A* dots) {
-    for (int64_t k = 0; k < count; k += kGroup) {
-      const A* const* group = rows + k;
-      A* out = dots + k;
-      const bool first = k == 0;
-      switch (std::min<int64_t>(kGroup, count - k)) {
-        case 1: first ? GroupDots<1, true>(x, group, dim, sum_sq, out) : GroupDots<1, false>(x, group, dim, nullptr, out); break;
-        case 2: first ? GroupDots<2, true>(x, group, dim, sum_sq, out) : GroupDots<2, false>(x, group, dim, nullptr, out); break;
-        case 3: first ? GroupDots<3, true>(x, group, dim, sum_sq, out) : GroupDots<3, false>(x, group, dim, nullptr, out); break;
-        default: first ? GroupDots<4, true>(x, group, dim, sum_sq, out) : GroupDots<4, false>(x, group, dim, nullptr, out); break;
-      }
-    }
+  // The total of running sum k of `sums`.
+  static A Total(const A* sums, int k) {
+    return Sum(LoadA(sums + 2 * k * kLanes) + LoadA(sums + (2 * k + 1) * kLanes));
+  }
+
+  // sum(x^2) and dot(wg, x) of one whole row.
+  static void RowDots(const T* x, const A* wg, int64_t dim, A* sum_sq, A* dot) {
+    A sums[4 * kLanes] = {};
+    GroupDots<1, true>(x, nullptr, &wg, 0, dim, dim, sums);
+    *dot = Total(sums, 0);
+    *sum_sq = Total(sums, 1);
   }
 
   // For the Q queries of a group: sum_i weights[q][i] v_i over the n rows `src`,
-  // stored to the rows out[q] of T (kToA false) or added to the rows of A (kToA).
-  template <int Q, bool kToA>
+  // stored to the rows out[q] of T (kToA false; past the caches when kStream, every
+  // row aligned for StoreStream2) or added to the rows of A (kToA).
+  template <int Q, bool kToA, bool kStream>
   [[gnu::noinline]] static void GroupMix(const T* const* src, int64_t n, const A* const* weights,
                                          void* const* out, int64_t dim) {
-    for (int64_t d = 0; d < dim; d += kPair) {
+    R::ForEachPair(0, dim, dim, [&](int64_t d, auto m) ATTNRES_INLINE {
       V acc[Q][2] = {};
       for (int64_t i = 0; i < n; ++i) {
         V lo, hi;
-        R::Load2(src[i] + d, dim - d, lo, hi);
+        R::Load2(src[i] + d, m, lo, hi);
         for (int q = 0; q < Q; ++q) {
           const V w = Splat(weights[q][i]);
           acc[q][0] += w * lo;
@@ -103,23 +130,22 @@ struct PhaseRow : Row<T> {
           A* u = static_cast<A*>(out[q]) + d;
           StoreA(u, LoadA(u) + acc[q][0]);
           StoreA(u + kLanes, LoadA(u + kLanes) + acc[q][1]);
+        } else if (kStream && m == kPair) {
+          R::StoreStream2(static_cast<T*>(out[q]) + d, acc[q][0], acc[q][1]);
         } else {
-          R::Store2(static_cast<T*>(out[q]) + d, acc[q][0], acc[q][1], dim - d);
+          R::Store2(static_cast<T*>(out[q]) + d, acc[q][0], acc[q][1], m);
         }
       }
-    }
+    });
   }
 
-  template <bool kToA>
+  template <bool kToA, bool kStream = false>
   static void Mix(const T* const* src, int64_t n, const A* const* weights, void* const* out,
                   int64_t count, int64_t dim) {
     for (int64_t k = 0; k < count; k += kGroup) {
-      switch (std::min<int64_t>(kGroup, count - k)) {
-        case 1: GroupMix<1, kToA>(src, n, weights + k, out + k, dim); break;
-        case 2: GroupMix<2, kToA>(src, n, weights + k, out + k, dim); break;
-        case 3: GroupMix<3, kToA>(src, n, weights + k, out + k, dim); break;
-        default: GroupMix<4, kToA>(src, n, weights + k, out + k, dim); break;
-      }
+      WithGroupSize(std::min<int64_t>(kGroup, count - k), [&](auto group) {
+        GroupMix<decltype(group)::value, kToA, kStream>(src, n, weights + k, out + k, dim);
+      });
     }
   }
 
@@ -127,16 +153,18 @@ struct PhaseRow : Row<T> {
   // for the n rows i with a gradient (dv[i] non-null); alpha and c are [S, n].
   // Element pairs outermost: the pair of every g_s and u_s is read from L1 for
   // every row after the first (by rows, they came from L2 once per row).
-  template <bool kAccumulate>
+  // kStream: every dv row is aligned for StoreStream2 (and not accumulated into).
+  template <bool kAccumulate, bool kStream>
   [[gnu::noinline]] static void SourceGrads(T* const* dv, const T* const* v, const A* b,
                                             const A* const* g, const A* const* u,
                                             const A* alpha, const A* c, int64_t count, int64_t n,
                                             int64_t dim) {
-    for (int64_t d = 0; d < dim; d += kPair) {
+    static_assert(!(kAccumulate && kStream));
+    R::ForEachPair(0, dim, dim, [&](int64_t d, auto m) ATTNRES_INLINE {
       for (int64_t i = 0; i < n; ++i) {
         if (dv[i] == nullptr) continue;
         V lo, hi;
-        R::Load2(v[i] + d, dim - d, lo, hi);
+        R::Load2(v[i] + d, m, lo, hi);
         const V vb = Splat(b[i]);
         V acc0 = vb * lo, acc1 = vb * hi;
         for (int64_t s = 0; s < count; ++s) {
@@ -146,13 +174,17 @@ struct PhaseRow : Row<T> {
         }
         if (kAccumulate) {
           V old_lo, old_hi;
-          R::Load2(dv[i] + d, dim - d, old_lo, old_hi);
+          R::Load2(dv[i] + d, m, old_lo, old_hi);
           acc0 += old_lo;
           acc1 += old_hi;
         }
-        R::Store2(dv[i] + d, acc0, acc1, dim - d);
+        if (kStream && m == kPair) {
+          R::StoreStream2(dv[i] + d, acc0, acc1);
+        } else {
+          R::Store2(dv[i] + d, acc0, acc1, m);
+        }
       }
-    }
+    });
   }
 };
 
@@ -173,7 +205,7 @@ struct PhaseScratch {
   A* g;               // [S, padded_dim]: the grad_out rows, widened
   A *z, *a, *dz;      // [S, N], query-major
   A *r, *b;           // [N]
-  A* dots;            // [2S]
+  A* sums;            // [N, kPhaseGroupSumsBytes]: GroupDots' running sums per block row
 
   PhaseScratch(void* base, int64_t S, int64_t N, int64_t padded) {
     char* bytes = static_cast<char*>(base);
@@ -184,13 +216,13 @@ struct PhaseScratch {
     src = reinterpret_cast<const T**>(bytes + 4 * S * pointer);
     dv = reinterpret_cast<T**>(bytes + (4 * S + N) * pointer);
     const int64_t pointer_bytes = (4 * S + 2 * N) * pointer;
-    g = reinterpret_cast<A*>(bytes + (pointer_bytes + 63) / 64 * 64);
+    sums = reinterpret_cast<A*>(bytes + (pointer_bytes + 63) / 64 * 64);
+    g = sums + N * kPhaseGroupSumsBytes / static_cast<int64_t>(sizeof(A));
     z = g + S * padded;
     a = z + S * N;
     dz = a + S * N;
     r = dz + S * N;
     b = r + N;
-    dots = b + N;
   }
 };
 
@@ -198,19 +230,55 @@ struct PhaseScratch {
 
 // Pass 1 of token t: r_i and z_{s,i} for every block i, with the backward's
 // dot(g_s, v_i) into dz when rows holds the g rows after the u rows (num_rows = 2S).
+// The rows of a group of queries (S rows of A: 55 KB at S = 6, D = 2304 fp32) do not
+// fit in L1 beside the blocks, and were read from L2 once per block row: so the
+// blocks are read a tile of kTile elements at a time, every block's tile with the
+// group's tile of the rows from L1, each block's sums kept in `ws.sums` between
+// tiles (the same sums in the same order as whole rows). The first group also asks
+// for token t + 1's rows when it is below `end`, this chunk's end.
 template <typename T>
-void Phase1Logits(const PhaseInfo& info, int64_t t, int64_t num_rows, PhaseScratch<T>& ws) {
-  using A = typename Row<T>::A;
-  const int64_t S = info.num_queries, N = info.num_blocks;
+void Phase1Logits(const PhaseInfo& info, int64_t t, int64_t end, int64_t num_rows,
+                  PhaseScratch<T>& ws) {
+  using R = PhaseRow<T>;
+  using A = typename R::A;
+  constexpr int64_t kTile = 16 * R::kPair;
+  constexpr int64_t kSumsStride = kPhaseGroupSumsBytes / sizeof(A);
+  static_assert((kGroup + 1) * 2 * kVectorBytes <= kPhaseGroupSumsBytes);
+  const int64_t S = info.num_queries, N = info.num_blocks, dim = info.dim;
   const A scale = static_cast<A>(info.scale), eps = static_cast<A>(info.eps);
-  for (int64_t i = 0; i < N; ++i) {
-    ws.src[i] = RowOf<T>(info.blocks[i], t, info.source_row_stride);
-    A sum_sq = 0;
-    PhaseRow<T>::Dots(ws.src[i], ws.rows, num_rows, info.dim, &sum_sq, ws.dots);
-    const A r = info.rmsnorm ? math::Rms(sum_sq, info.dim, eps) : A(1);
-    ws.r[i] = r;
-    for (int64_t s = 0; s < S; ++s) ws.z[s * N + i] = scale * (ws.dots[s] / r);
-    for (int64_t s = S; s < num_rows; ++s) ws.dz[(s - S) * N + i] = ws.dots[s];
+  const int64_t stride = info.source_row_stride;
+  for (int64_t i = 0; i < N; ++i) ws.src[i] = RowOf<T>(info.blocks[i], t, stride);
+  for (int64_t k = 0; k < num_rows; k += kGroup) {
+    const bool first = k == 0;
+    std::memset(ws.sums, 0, N * kPhaseGroupSumsBytes);
+    WithGroupSize(std::min<int64_t>(kGroup, num_rows - k), [&](auto group) {
+      constexpr int Q = decltype(group)::value;
+      for (int64_t d = 0; d < dim; d += kTile) {
+        const int64_t d_end = std::min(d + kTile, dim);
+        for (int64_t i = 0; i < N; ++i) {
+          A* sums = ws.sums + i * kSumsStride;
+          if (first) {
+            const T* ahead = t + 1 < end ? ws.src[i] + stride : nullptr;
+            R::template GroupDots<Q, true>(ws.src[i], ahead, ws.rows, d, d_end, dim, sums);
+          } else {
+            R::template GroupDots<Q, false>(ws.src[i], nullptr, ws.rows + k, d, d_end, dim, sums);
+          }
+        }
+      }
+      for (int64_t i = 0; i < N; ++i) {
+        const A* sums = ws.sums + i * kSumsStride;
+        if (first) ws.r[i] = info.rmsnorm ? math::Rms(R::Total(sums, Q), dim, eps) : A(1);
+        for (int j = 0; j < Q; ++j) {
+          const int64_t s = k + j;
+          const A dot = R::Total(sums, j);
+          if (s < S) {
+            ws.z[s * N + i] = scale * (dot / ws.r[i]);
+          } else {
+            ws.dz[(s - S) * N + i] = dot;
+          }
+        }
+      }
+    });
   }
 }
 
@@ -228,18 +296,23 @@ void Phase1Forward(const PhaseInfo& info, void* scratch, void*, int64_t begin, i
   using A = typename Row<T>::A;
   const int64_t S = info.num_queries, N = info.num_blocks, padded = info.padded_dim;
   PhaseScratch<T> ws(scratch, S, N, padded);
+  bool stream = info.stream_stores;
   for (int64_t s = 0; s < S; ++s) {
     ws.rows[s] = static_cast<const A*>(info.wg) + s * padded;
     ws.weights[s] = ws.a + s * N;
+    stream = stream && RowsStreamable<T>(info.query_outs[s], info.out_row_stride);
   }
   for (int64_t t = begin; t < end; ++t) {
-    Phase1Logits<T>(info, t, S, ws);
+    Phase1Logits<T>(info, t, end, S, ws);
     for (int64_t s = 0; s < S; ++s) {
       static_cast<A*>(info.query_lses[s])[t] = Phase1Weights(ws, s, N);
       ws.outs[s] = static_cast<T*>(info.query_outs[s]) + t * info.out_row_stride;
     }
-    PhaseRow<T>::template Mix<false>(ws.src, N, ws.weights, ws.outs, S, info.dim);
+    const auto mix = stream ? PhaseRow<T>::template Mix<false, true>
+                            : PhaseRow<T>::template Mix<false, false>;
+    mix(ws.src, N, ws.weights, ws.outs, S, info.dim);
   }
+  if (stream) Row<T>::FenceStreams();
 }
 
 template <typename T>
@@ -250,6 +323,11 @@ void Phase1Backward(const PhaseInfo& info, void* scratch, void* partials, int64_
   const int64_t S = info.num_queries, N = info.num_blocks, padded = info.padded_dim, dim = info.dim;
   const A scale = static_cast<A>(info.scale);
   PhaseScratch<T> ws(scratch, S, N, padded);
+  bool stream = info.stream_stores && info.grad_blocks != nullptr;
+  for (int64_t i = 0; stream && i < N; ++i) {
+    stream = info.grad_blocks[i] == nullptr ||
+             RowsStreamable<T>(info.grad_blocks[i], info.grad_source_row_stride);
+  }
   for (int64_t s = 0; s < S; ++s) {
     ws.rows[s] = static_cast<const A*>(info.wg) + s * padded;
     ws.rows[S + s] = ws.g + s * padded;
@@ -267,7 +345,7 @@ void Phase1Backward(const PhaseInfo& info, void* scratch, void* partials, int64_
         std::memset(ws.g + s * padded, 0, padded * sizeof(A));
       }
     }
-    Phase1Logits<T>(info, t, 2 * S, ws);
+    Phase1Logits<T>(info, t, end, 2 * S, ws);
     for (int64_t i = 0; i < N; ++i) ws.b[i] = 0;
     for (int64_t s = 0; s < S; ++s) {
       Phase1Weights(ws, s, N);
@@ -290,12 +368,14 @@ void Phase1Backward(const PhaseInfo& info, void* scratch, void* partials, int64_
                        ? static_cast<T*>(info.grad_blocks[i]) + t * info.grad_source_row_stride
                        : nullptr;
       }
-      const auto grads = info.accumulate_grads ? R::template SourceGrads<true>
-                                            : R::template SourceGrads<false>;
+      const auto grads = info.accumulate_grads ? R::template SourceGrads<true, false>
+                         : stream             ? R::template SourceGrads<false, true>
+                                              : R::template SourceGrads<false, false>;
       grads(ws.dv, ws.src, ws.b, ws.rows + S, ws.rows, ws.a, ws.dz, S, N, dim);
     }
     if (partials != nullptr) R::template Mix<true>(ws.src, N, ws.weights, ws.outs, S, dim);
   }
+  if (stream) R::FenceStreams();
 }
 
 // ---- Phase 2 ----------------------------------------------------------------
@@ -317,7 +397,7 @@ struct MergeToken {
     if (p == nullptr) return;
     const A* wg = static_cast<const A*>(info.wg);
     A sum_sq = 0, dot = 0;
-    PhaseRow<T>::Dots(p, &wg, 1, info.dim, &sum_sq, &dot);
+    PhaseRow<T>::RowDots(p, wg, info.dim, &sum_sq, &dot);
     r = info.rmsnorm ? math::Rms(sum_sq, info.dim, static_cast<A>(info.eps)) : A(1);
     z = static_cast<A>(info.scale) * (dot / r);
     beta = math::MergeWeight(static_cast<const A*>(info.query_lse)[t], z);
