@@ -150,6 +150,55 @@ def stream_bandwidth(num_bytes=4 << 30):
     return {"read_GBps": num_bytes / read_ms / 1e6, "copy_GBps": 2 * num_bytes / copy_ms / 1e6}
 
 
+def two_phase_rows(args, torch_dtype, elem, bw):
+    """SPEC section 5 on the device, through the package's entry points (no autograd):
+    phase 1 of S queries over N blocks, and one sub-layer's phase 2 (partial block on,
+    input RMSNorm on), forward and backward, against the read / copy streams.
+
+    Minimal bytes per token: phase 1 forward reads N*D, writes S*D (+ S fp32 LSEs);
+    backward reads N*D + S*D (+ S LSE gradients), writes N*D. Phase 2 forward reads
+    o, p, writes h (3*D); backward reads grad, o, p, writes grad_o, grad_p (5*D)."""
+    from attnres import two_phase as tp  # noqa: E402 - needs ATTNRES_LIBRARY set
+    rows, T = [], args.two_phase_tokens
+    for shape in args.two_phase.split(","):
+        N, S, D = (int(x) for x in shape.split("x"))
+        row = {"tokens": T, "blocks": N, "queries": S, "dim": D}
+        rows.append(row)
+        gen = torch.Generator(device="cuda").manual_seed(N * S + D)
+        rand = lambda *sh, std=1.0: (torch.randn(*sh, device="cuda", generator=gen) * std  # noqa: E731
+                                     ).to(torch_dtype)
+        blocks = [rand(T, D) for _ in range(N)]
+        w, gamma = rand(S, D, std=D ** -0.5), 1 + rand(S, D, std=0.1)
+        kw = dict(eps=1e-6, scale=1.0, rmsnorm=True)
+        outs, lses = tp.phase1_forward(blocks, w, gamma, **kw)
+        grad_outs = [rand(T, D) for _ in range(S)]
+        grad_lses = [torch.randn(T, device="cuda", generator=gen) for _ in range(S)]
+        ms = time_cuda(lambda: tp.phase1_forward(blocks, w, gamma, **kw))
+        gbps = ((N + S) * D * elem + 4 * S) * T / ms / 1e6
+        row["phase1_fwd_ms"], row["phase1_fwd_frac_of_read_bw"] = ms, gbps / bw["read_GBps"]
+        ms = time_cuda(lambda: tp.phase1_backward(grad_outs, grad_lses, blocks, w, gamma, **kw))
+        gbps = ((2 * N + S) * D * elem + 4 * S) * T / ms / 1e6
+        row["phase1_bwd_ms"], row["phase1_bwd_frac_of_copy_bw"] = ms, gbps / bw["copy_GBps"]
+        runs = [tp.phase1_backward(grad_outs, grad_lses, blocks, w, gamma, **kw)[1:]
+                for _ in range(2)]
+        row["phase1_weight_grads_bitwise_equal"] = all(
+            torch.equal(a, b) for a, b in zip(*runs))
+        # Phase 2 of the last query with a partial block and the input RMSNorm.
+        p, nw, grad = rand(T, D), 1 + rand(D, std=0.1), rand(T, D)
+        kw2 = dict(kw, norm_weight=nw, input_norm=True)
+        o, lse, wq, gq = outs[-1], lses[-1], w[-1], gamma[-1]
+        ms = time_cuda(lambda: tp.phase2_forward(o, lse, p, wq, gq, **kw2))
+        gbps = (3 * D * elem + 4) * T / ms / 1e6
+        row["phase2_fwd_ms"], row["phase2_fwd_frac_of_copy_bw"] = ms, gbps / bw["copy_GBps"]
+        ms = time_cuda(lambda: tp.phase2_backward(grad, o, lse, p, wq, gq, **kw2))
+        gbps = (5 * D * elem + 8) * T / ms / 1e6
+        row["phase2_bwd_ms"], row["phase2_bwd_frac_of_copy_bw"] = ms, gbps / bw["copy_GBps"]
+        print(json.dumps(row), file=sys.stderr)
+        del blocks, outs, lses, grad_outs, grad_lses, runs
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lib", required=True, help="path to libattnres.so (built with CUDA)")
@@ -161,6 +210,10 @@ def main():
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="wall-clock budget: baselines are skipped once it is spent")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--two-phase", default="9x6x2304,16x8x7168",
+                    help="phase 1 / phase 2 shapes NxSxD (N blocks, S queries), comma separated")
+    ap.add_argument("--two-phase-tokens", type=int, default=65536)
+    ap.add_argument("--no-two-phase", action="store_true")
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -283,6 +336,8 @@ def main():
                 print(json.dumps(row), file=sys.stderr)
                 del blocks, partial, grads, out, grad_out
                 torch.cuda.empty_cache()
+    if not args.no_two_phase:
+        report["two_phase"] = two_phase_rows(args, torch_dtype, elem, bw)
     report["wall_s"] = time.perf_counter() - t0
     print(json.dumps(report, indent=2))
     return 0

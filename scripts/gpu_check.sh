@@ -2,8 +2,9 @@
 # One-shot check of the CUDA backend on a GPU machine: a Release build for the
 # GPU's own architecture, every GoogleTest (the property tests run on each CPU
 # variant and on CUDA), a short case list under
-# compute-sanitizer (memcheck, racecheck, synccheck), then the benchmark against
-# PyTorch eager / torch.compile / Liger (bench/bench_cuda.py).
+# compute-sanitizer (memcheck, racecheck, synccheck), the Python front ends on CUDA
+# tensors (tests/python/test_cuda.py), then the benchmark against PyTorch eager /
+# torch.compile / Liger and the two phases (bench/bench_cuda.py).
 # Prints one JSON document, writes it to ${OUT:-$BUILD_DIR}/gpu_check.json with
 # the logs next to it, and exits 1 unless every stage passed. Every stage is
 # time-boxed; with the defaults the whole run stays under 9 minutes.
@@ -23,6 +24,7 @@
 #   BUILD_TIMEOUT_S  seconds for the build (480; 3600 with --build-only)
 #   TEST_TIMEOUT_S   seconds for the GoogleTests (300)
 #   SANITIZER_TIMEOUT_S  seconds for each compute-sanitizer tool (120)
+#   PYTEST_TIMEOUT_S seconds for the Python tests on CUDA tensors (150)
 #   BENCH_BUDGET_S   seconds after which bench baselines are skipped (150)
 #   BENCH_ARGS       extra arguments for bench/bench_cuda.py
 #   DEADLINE_S       wall-clock seconds for the whole run (default: none): every
@@ -161,9 +163,24 @@ if [ "$RUN_TESTS" -eq 1 ] && [ "$GPU_TESTS" -eq 1 ] && [ $BUILD_RC -eq 0 ] && [ 
   fi
 fi
 
-# --- 4. Benchmark -------------------------------------------------------------
-BENCH_RC=-1
 LIB="$(ls "$BUILD_DIR"/libattnres.so 2>/dev/null | head -n1)"
+
+# --- 4. The Python front ends on CUDA tensors ------------------------------------
+PYTEST_RC=-1
+if [ "$RUN_TESTS" -eq 1 ] && [ "$GPU_TESTS" -eq 1 ] && [ $BUILD_RC -eq 0 ] && [ -n "$LIB" ]; then
+  BOX=$(time_box "${PYTEST_TIMEOUT_S:-150}")
+  if [ "$BOX" -gt 0 ]; then
+    ATTNRES_EXPECT_CUDA=1 ATTNRES_LIBRARY="$LIB" PYTHONPATH="$ROOT/python" timeout "$BOX" \
+      python3 -m pytest -q -p no:cacheprovider "$ROOT/tests/python/test_cuda.py" \
+      --junitxml="$LOG_DIR/pytest.xml" >"$LOG_DIR/pytest.log" 2>&1
+    PYTEST_RC=$?
+  else
+    NOT_RUN="$NOT_RUN pytest"
+  fi
+fi
+
+# --- 5. Benchmark -------------------------------------------------------------
+BENCH_RC=-1
 if [ "$BUILD_ONLY" -eq 0 ] && [ "$RUN_BENCH" -eq 1 ] && [ "$GPU_TESTS" -eq 1 ] && [ $BUILD_RC -eq 0 ] && [ -n "$LIB" ]; then
   BOX=$(time_box $(( ${BENCH_BUDGET_S:-150} + 90 )))
   if [ "$BOX" -gt 0 ]; then
@@ -182,7 +199,7 @@ fi
 
 # --- Report -------------------------------------------------------------------
 export GC_CONFIGURE_RC=$CONFIGURE_RC GC_BUILD_RC=$BUILD_RC GC_TESTS_BUILT=$TESTS_BUILT
-export GC_TEST_RC=$TEST_RC GC_BENCH_RC=$BENCH_RC GC_LOG_DIR="$LOG_DIR"
+export GC_TEST_RC=$TEST_RC GC_BENCH_RC=$BENCH_RC GC_LOG_DIR="$LOG_DIR" GC_PYTEST_RC=$PYTEST_RC
 export GC_WALL=$(( $(date +%s) - START )) GC_CUDA_IN_BUILD=$CUDA_IN_BUILD
 export GC_GPU_COUNT=$GPU_COUNT GC_GPU_LIST="$GPU_LIST" GC_SMI_ERROR="${SMI_ERROR:-}" GC_ARCHS="$CUDA_ARCHS"
 export GC_DETECTED_ARCHS="$DETECTED_ARCHS" GC_SANITIZER="$SANITIZER_RESULTS"
@@ -280,6 +297,23 @@ for tool, result in sanitizer.items():
     elif result != "0":
         failures.append(f"compute-sanitizer --tool {tool} exited {result} (86: reported errors; "
                         f"124: timed out): see sanitizer_{tool}.log")
+# The Python tests: counts from pytest's JUnit XML, each failure by name.
+pytest_report = None
+if rc("GC_PYTEST_RC") != -1:
+    import xml.etree.ElementTree as ET
+    try:
+        cases = ET.parse(os.path.join(log, "pytest.xml")).getroot().iter("testcase")
+        outcome = {}
+        for case in cases:
+            kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+            outcome.setdefault(kind, []).append(f"{case.get('classname')}::{case.get('name')}")
+        pytest_report = {k: len(v) for k, v in outcome.items()}
+        pytest_report["not_passed"] = sorted(outcome.get("failure", []) + outcome.get("error", []))
+    except (OSError, ET.ParseError) as e:
+        pytest_report = {"unreadable": str(e)}
+    if rc("GC_PYTEST_RC") != 0:
+        failures.append(f"the Python tests on CUDA exited {rc('GC_PYTEST_RC')} (124: timed out): "
+                        "see pytest.log")
 if (not build_only and gpu_count > 0 and env["GC_RUN_BENCH"] == "1" and "bench" not in env["GC_NOT_RUN"]
         and rc("GC_BENCH_RC") != 0):
     failures.append(f"bench_cuda.py exited {rc('GC_BENCH_RC')}")
@@ -302,6 +336,9 @@ report = {
     "sanitizer": sanitizer,
     "sanitizer_log_tails": {t: tail(f"sanitizer_{t}.log", 30) for t, r in sanitizer.items()
                             if r not in ("0", "skipped-by-request", "unavailable")},
+    "pytest_exit": rc("GC_PYTEST_RC"),
+    "pytest": pytest_report,
+    "pytest_log_tail": tail("pytest.log", 60) if rc("GC_PYTEST_RC") not in (-1, 0) else [],
     "bench_exit": rc("GC_BENCH_RC"),
     "bench": read_json("bench.json") if rc("GC_BENCH_RC") != -1 else None,
     "bench_log_tail": tail("bench.log", 20) if rc("GC_BENCH_RC") not in (-1, 0) else [],
@@ -310,6 +347,10 @@ report = {
 }
 text = json.dumps(report, indent=2)
 print(text)
+# The verdict once more, last: a caller that keeps only the output's tail sees it.
+counts = {s: sum(1 for v in tests.values() if v == s) for s in ("passed", "failed", "skipped")}
+print(json.dumps({"ok": report["ok"], "failures": failures, "gtests": counts,
+                  "pytest": pytest_report, "sanitizer": sanitizer}))
 with open(sys.argv[1], "w") as f:
     f.write(text + "\n")
 sys.exit(0 if report["ok"] else 1)
