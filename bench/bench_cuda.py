@@ -144,7 +144,7 @@ def stream_bandwidth(num_bytes=4 << 30):
     dst = torch.empty_like(src)
     copy_ms = time_cuda(lambda: dst.copy_(src))
     out = torch.empty((), dtype=torch.float32, device="cuda")
-    read_ms = time_cuda(lambda: torch.sum(src, dtype=torch.float32, out=out))
+    read_ms = time_cuda(lambda: torch.sum(src, dim=0, dtype=torch.float32, out=out))
     del src, dst
     torch.cuda.empty_cache()
     return {"read_GBps": num_bytes / read_ms / 1e6, "copy_GBps": 2 * num_bytes / copy_ms / 1e6}

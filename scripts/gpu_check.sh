@@ -23,7 +23,9 @@
 #   SANITIZE         0 skips compute-sanitizer (reported as skipped, not passed)
 #   BUILD_TIMEOUT_S  seconds for the build (480; 3600 with --build-only)
 #   TEST_TIMEOUT_S   seconds for the GoogleTests (300)
+#   GTEST_SHARDS     GoogleTest processes run side by side (1)
 #   SANITIZER_TIMEOUT_S  seconds for each compute-sanitizer tool (120)
+#   SANITIZER_TOOLS  the compute-sanitizer tools to run ("memcheck racecheck synccheck")
 #   PYTEST_TIMEOUT_S seconds for the Python tests on CUDA tensors (150)
 #   BENCH_BUDGET_S   seconds after which bench baselines are skipped (150)
 #   BENCH_ARGS       extra arguments for bench/bench_cuda.py
@@ -136,9 +138,20 @@ if [ "$BUILD_ONLY" -eq 0 ] && [ "$RUN_TESTS" -eq 1 ] && [ $BUILD_RC -eq 0 ] && [
   # (CudaBackend.DeviceIsPresentWhenExpected), so they cannot pass on the CPU alone.
   BOX=$(time_box "${TEST_TIMEOUT_S:-300}")
   if [ "$BOX" -gt 0 ]; then
-    ATTNRES_EXPECT_CUDA=$GPU_TESTS timeout "$BOX" "$BUILD_DIR/attnres_tests" \
-      --gtest_output="json:$LOG_DIR/gtest.json" >"$LOG_DIR/gtest.log" 2>&1
-    TEST_RC=$?
+    # GoogleTest's own sharding: GTEST_SHARDS processes side by side, each a disjoint
+    # slice of the tests (the float64 references are CPU work, one core each).
+    SHARDS=${GTEST_SHARDS:-1} PIDS=()
+    for ((i = 0; i < SHARDS; i++)); do
+      ATTNRES_EXPECT_CUDA=$GPU_TESTS GTEST_TOTAL_SHARDS=$SHARDS GTEST_SHARD_INDEX=$i \
+        timeout "$BOX" "$BUILD_DIR/attnres_tests" --gtest_output="json:$LOG_DIR/gtest_$i.json" \
+        >"$LOG_DIR/gtest_$i.log" 2>&1 &
+      PIDS+=($!)
+    done
+    TEST_RC=0
+    for pid in "${PIDS[@]}"; do
+      wait "$pid"; rc=$?
+      [ "$rc" -gt "$TEST_RC" ] && TEST_RC=$rc
+    done
   else
     NOT_RUN="$NOT_RUN tests"
   fi
@@ -152,7 +165,7 @@ if [ "$RUN_TESTS" -eq 1 ] && [ "$GPU_TESTS" -eq 1 ] && [ $BUILD_RC -eq 0 ] && [ 
   elif ! command -v compute-sanitizer >/dev/null 2>&1; then
     SANITIZER_RESULTS="all=unavailable"
   else
-    for tool in memcheck racecheck synccheck; do
+    for tool in ${SANITIZER_TOOLS:-memcheck racecheck synccheck}; do
       BOX=$(time_box "${SANITIZER_TIMEOUT_S:-120}")
       if [ "$BOX" -eq 0 ]; then NOT_RUN="$NOT_RUN sanitizer-$tool"; continue; fi
       timeout "$BOX" compute-sanitizer --tool "$tool" --error-exitcode 86 --print-limit 20 \
@@ -248,8 +261,10 @@ if not build_only and run_tests and gpu_count > 0 and env["GC_TESTS_BUILT"] != "
 # Each test: passed / failed / skipped, with the skip reason (which carries the
 # CUDA runtime's own error when the device was not usable).
 tests = {}
-gtest = read_json("gtest.json")
-for suite in gtest.get("testsuites", []):
+import glob
+shard_files = sorted(glob.glob(os.path.join(log, "gtest_*.json")))
+suites = [s for f in shard_files for s in read_json(os.path.basename(f)).get("testsuites", [])]
+for suite in suites:
     for t in suite.get("testsuite", []):
         name = f"{suite['name']}.{t['name']}"
         if t.get("failures"):
@@ -261,7 +276,8 @@ for suite in gtest.get("testsuites", []):
 # The reason gtest prints after "<file>:<line>: Skipped", per test: for "no CUDA
 # device" it carries the CUDA runtime's own error.
 skip_reasons, current = {}, None
-lines = read_lines("gtest.log")
+shard_logs = [os.path.basename(f) for f in sorted(glob.glob(os.path.join(log, "gtest_*.log")))]
+lines = [line for name in shard_logs for line in read_lines(name)]
 for i, line in enumerate(lines):
     m = re.match(r"\[ RUN      \] (\S+)", line)
     if m:
@@ -332,7 +348,7 @@ report = {
     "gtest_exit": rc("GC_TEST_RC"),
     "gtests": tests,
     "skipped_because": skipped_because,
-    "gtest_log_tail": tail("gtest.log", 80) if rc("GC_TEST_RC") != 0 else [],
+    "gtest_log_tails": {name: tail(name, 40) for name in shard_logs} if rc("GC_TEST_RC") != 0 else {},
     "sanitizer": sanitizer,
     "sanitizer_log_tails": {t: tail(f"sanitizer_{t}.log", 30) for t, r in sanitizer.items()
                             if r not in ("0", "skipped-by-request", "unavailable")},

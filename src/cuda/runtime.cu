@@ -126,6 +126,17 @@ attnres_status CurrentDevice(cudaStream_t stream, Device* device) {
   }
   device->max_shared_optin = static_cast<size_t>(optin);
 #if CUDART_VERSION >= 12080
+  // While the stream is being captured into a graph, CUDA refuses to name its device
+  // (cudaErrorStreamCaptureUnsupported, seen on an H200 with CUDA 13.0) and the refused
+  // call can end the capture. So during a capture this check is left out (the pointer
+  // checks below still run).
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  err = cudaStreamIsCapturing(stream, &capture);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return CudaFailure("cudaStreamIsCapturing of params.stream", err);
+  }
+  if (capture != cudaStreamCaptureStatusNone) return ATTNRES_OK;
   int stream_device = -1;
   err = cudaStreamGetDevice(stream, &stream_device);
   if (err != cudaSuccess) {

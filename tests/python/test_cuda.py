@@ -223,24 +223,26 @@ def test_two_phases_match_the_oracle(S, N, D, dtype):
 
 @pytest.mark.parametrize("schedule", ["two_phase", "per_layer"])
 def test_stream_on_the_device_matches_the_cpu(schedule):
+    """float64 (a loss through the stream's input RMSNorms leaves dw the small
+    difference of large terms: in fp32 even the CPU is 2% from float64 there)."""
     D, L, bs = 128, 7, 3
     torch.manual_seed(1)
-    layers = nn.ModuleList(nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(L))
-    res = BlockAttnResStream(D, L, bs, input_norm=True, schedule=schedule)
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(L)).to(F64)
+    res = BlockAttnResStream(D, L, bs, input_norm=True, schedule=schedule, dtype=F64)
     with torch.no_grad():
         res.w.normal_(0, 0.3)
-    x = torch.randn(4, 16, D)
+    x, probe = torch.randn(4, 16, D, dtype=F64), torch.randn(4, 16, D, dtype=F64)
     results = {}
     for where in (DEVICE, "cpu"):
         lay, r = [m.to(where) for m in (layers, res)]
         lay.zero_grad(set_to_none=True)
         r.zero_grad(set_to_none=True)
         out = r(x.to(where), list(lay))
-        out.square().sum().backward()
+        (out * probe.to(where)).sum().backward()
         results[where] = [out.detach().clone(), r.w.grad.clone(), r.gamma.grad.clone(),
                           r.norm_weight.grad.clone(), lay[0][0].weight.grad.clone()]
     for i, (a, b) in enumerate(zip(results[DEVICE], results["cpu"])):
-        assert_close(f"stream tensor {i}", a, b, 1e-4)
+        assert_close(f"stream tensor {i}", a, b, 1e-10)
 
 
 def test_non_finite_stays_in_its_token():
