@@ -287,9 +287,11 @@ for i, line in enumerate(lines):
 skipped_because = {}  # reason -> tests, for the report
 for name, reason in skip_reasons.items():
     skipped_because.setdefault(reason, []).append(name)
-# With a device present, no CUDA test may skip but this one. (CPU-only tests may
-# skip for reasons of the host, e.g. LargeOffsets without a large mapping.)
-expected_skips = {"CudaBackend.UnavailableDeviceIsReported"}
+# With a device present, no CUDA test may skip but these, the tests of what happens
+# without one. (CPU-only tests may skip for reasons of the host, e.g. LargeOffsets
+# without a large mapping.)
+expected_skips = {"CudaBackend.UnavailableDeviceIsReported", "CudaTwoPhase.UnavailableDeviceIsReported",
+                  "AbiErrors.CudaDeviceWhenUnavailable"}
 if not build_only and run_tests and gpu_count > 0 and env["GC_TESTS_BUILT"] == "1":
     if not tests:
         failures.append(f"the GoogleTests did not report (exit {rc('GC_TEST_RC')}; 124: timed out)")

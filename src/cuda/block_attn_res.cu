@@ -354,8 +354,24 @@ attnres_status Run(const attnres_params& p, bool backward, const Device& device,
   }
 }
 
+// dw and dgamma are sums over the tokens: over none they are zero, as on the CPU (all
+// bits zero is +0 in every dtype). The first GPU run found them left unwritten.
+attnres_status ZeroWeightGrads(const attnres_params& p, cudaStream_t stream) {
+  const size_t bytes = static_cast<size_t>(p.dim) * ElementBytes(p.dtype);
+  for (void* grad : {p.grad_proj_weight, p.grad_gamma}) {
+    if (grad == nullptr) continue;
+    if (const cudaError_t err = cudaMemsetAsync(grad, 0, bytes, stream); err != cudaSuccess) {
+      cudaGetLastError();
+      return CudaFailure("cudaMemsetAsync of the weight gradients (no tokens)", err);
+    }
+  }
+  return ATTNRES_OK;
+}
+
 attnres_status Dispatch(const attnres_params& p, bool backward) {
-  if (p.num_tokens == 0) return ATTNRES_OK;
+  const bool weight_grads =
+      backward && (p.grad_proj_weight != nullptr || p.grad_gamma != nullptr);
+  if (p.num_tokens == 0 && !weight_grads) return ATTNRES_OK;
   const int64_t L = NumSources(p);
   if (L > plan::kMaxSources || p.dim > INT_MAX) {
     return Fail(ATTNRES_ERROR_INVALID_ARGUMENT,
@@ -367,6 +383,7 @@ attnres_status Dispatch(const attnres_params& p, bool backward) {
   Device device;
   if (attnres_status s = CurrentDevice(stream, &device); s != ATTNRES_OK) return s;
   if (attnres_status s = CheckPointers(p, backward, device); s != ATTNRES_OK) return s;
+  if (p.num_tokens == 0) return ZeroWeightGrads(p, stream);
   switch (p.dtype) {
     case ATTNRES_DTYPE_FLOAT32: return Run<float>(p, backward, device, stream);
     case ATTNRES_DTYPE_FLOAT64: return Run<double>(p, backward, device, stream);
