@@ -219,7 +219,8 @@ export GC_DETECTED_ARCHS="$DETECTED_ARCHS" GC_SANITIZER="$SANITIZER_RESULTS"
 export GC_BUILD_ONLY=$BUILD_ONLY GC_RUN_BENCH=$RUN_BENCH GC_RUN_TESTS=$RUN_TESTS GC_PREBUILT="$PREBUILT"
 export GC_NOT_RUN="$NOT_RUN" GC_SMI_INSTALLED=$SMI_INSTALLED
 python3 - "$OUT_DIR/gpu_check.json" <<'EOF'
-import json, os, re, sys
+import glob, json, os, re, sys
+import xml.etree.ElementTree as ET
 
 env = os.environ
 log = env["GC_LOG_DIR"]
@@ -261,7 +262,6 @@ if not build_only and run_tests and gpu_count > 0 and env["GC_TESTS_BUILT"] != "
 # Each test: passed / failed / skipped, with the skip reason (which carries the
 # CUDA runtime's own error when the device was not usable).
 tests = {}
-import glob
 shard_files = sorted(glob.glob(os.path.join(log, "gtest_*.json")))
 suites = [s for f in shard_files for s in read_json(os.path.basename(f)).get("testsuites", [])]
 for suite in suites:
@@ -318,7 +318,6 @@ for tool, result in sanitizer.items():
 # The Python tests: counts from pytest's JUnit XML, each failure by name.
 pytest_report = None
 if rc("GC_PYTEST_RC") != -1:
-    import xml.etree.ElementTree as ET
     try:
         cases = ET.parse(os.path.join(log, "pytest.xml")).getroot().iter("testcase")
         outcome = {}
