@@ -13,7 +13,9 @@ Effective bandwidth = minimal bytes / time, reported as a fraction of the
 device's streaming bandwidth measured in the same run: a read-only stream for
 the forward, a device-to-device copy (read + write) for the backward.
 
-Also per shape: the backward without dw/dgamma (what the weight gradients' fixed
+Also per shape: the pipelined forward (ATTNRES_CUDA_FORWARD_PIPELINE=1) against
+the register one, medians of three alternated timings each, and whether both
+gave the same bits; the backward without dw/dgamma (what the weight gradients' fixed
 per-chunk partial rows and their reduction cost), and the host time of one call
 (argument checks, including one cudaPointerGetAttributes per pointer, and the
 launches), measured without synchronising.
@@ -285,6 +287,26 @@ def main():
                 row["attnres_fwd_ms"] = ms
                 row["attnres_fwd_GBps"] = fwd_bytes / ms / 1e6
                 row["attnres_fwd_frac_of_read_bw"] = row["attnres_fwd_GBps"] / bw["read_GBps"]
+                # The pipelined forward (ATTNRES_CUDA_FORWARD_PIPELINE=1: rows through a ring of
+                # asynchronous copies in shared memory), alternated with the register kernels so
+                # both see the same device state; the two must give the same bits.
+                fwd()
+                plain_out = out.clone()
+                pipelined_ms, plain_ms = [], []
+                for _ in range(3):
+                    os.environ["ATTNRES_CUDA_FORWARD_PIPELINE"] = "1"
+                    pipelined_ms.append(time_cuda(fwd))
+                    os.environ["ATTNRES_CUDA_FORWARD_PIPELINE"] = "0"
+                    plain_ms.append(time_cuda(fwd))
+                os.environ["ATTNRES_CUDA_FORWARD_PIPELINE"] = "1"
+                fwd()
+                os.environ["ATTNRES_CUDA_FORWARD_PIPELINE"] = "0"
+                row["pipelined_fwd_bits_equal"] = bool(torch.equal(out.view(torch.int16 if elem == 2 else torch.int32),
+                                                                   plain_out.view(torch.int16 if elem == 2 else torch.int32)))
+                row["pipelined_fwd_ms"] = sorted(pipelined_ms)[1]
+                row["pipelined_fwd_frac_of_read_bw"] = fwd_bytes / row["pipelined_fwd_ms"] / 1e6 / bw["read_GBps"]
+                row["speedup_pipelined_vs_register_fwd"] = sorted(plain_ms)[1] / row["pipelined_fwd_ms"]
+                del plain_out
                 ms = time_cuda(bwd)
                 row["attnres_bwd_ms"] = ms
                 row["attnres_bwd_GBps"] = bwd_bytes / ms / 1e6

@@ -334,6 +334,11 @@ if rc("GC_PYTEST_RC") != -1:
 if (not build_only and gpu_count > 0 and env["GC_RUN_BENCH"] == "1" and "bench" not in env["GC_NOT_RUN"]
         and rc("GC_BENCH_RC") != 0):
     failures.append(f"bench_cuda.py exited {rc('GC_BENCH_RC')}")
+bench = read_json("bench.json") if rc("GC_BENCH_RC") != -1 else None
+for row in (bench or {}).get("results", []) if isinstance(bench, dict) else []:
+    if row.get("pipelined_fwd_bits_equal") is False:
+        failures.append(f"the pipelined forward's bits differ from the register kernels' at "
+                        f"T={row['tokens']} D={row['dim']} L={row['sources']}")
 
 report = {
     "ok": not failures,
@@ -357,7 +362,7 @@ report = {
     "pytest": pytest_report,
     "pytest_log_tail": tail("pytest.log", 60) if rc("GC_PYTEST_RC") not in (-1, 0) else [],
     "bench_exit": rc("GC_BENCH_RC"),
-    "bench": read_json("bench.json") if rc("GC_BENCH_RC") != -1 else None,
+    "bench": bench,
     "bench_log_tail": tail("bench.log", 20) if rc("GC_BENCH_RC") not in (-1, 0) else [],
     "configure_log_tail": tail("configure.log", 30) if rc("GC_CONFIGURE_RC") != 0 else [],
     "build_log_tail": tail("build.log", 40) if rc("GC_BUILD_RC") != 0 else [],

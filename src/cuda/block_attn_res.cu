@@ -79,17 +79,30 @@ using FusedForwardFn = void (*)(FusedForwardArgs);
 using FusedBackwardFn = void (*)(FusedBackwardArgs);
 
 template <typename T>
-FusedForwardFn FusedForwardFor(int chunks) {
+FusedForwardFn FusedForwardFor(int chunks, bool pipelined) {
   static_assert(ForwardMaxThreads(8) == 256 && ForwardMaxThreads(4) == 256 &&
                     ForwardMaxThreads(2) == 512 && ForwardMaxThreads(1) == 1024,
                 "plan::kForwardShapes and the instantiations below disagree");
+  static_assert(!plan::ForwardCanPipeline(8) && plan::ForwardCanPipeline(4),
+                "plan::ForwardCanPipeline and the instantiations below disagree");
+  using plan::ForwardStages;
   switch (chunks) {
-    case 8: return FusedForwardKernel<T, 8>;
-    case 4: return FusedForwardKernel<T, 4>;
-    case 2: return FusedForwardKernel<T, 2>;
-    case 1: return FusedForwardKernel<T, 1>;
+    case 8: return FusedForwardKernel<T, 8, 0>;
+    case 4: return pipelined ? FusedForwardKernel<T, 4, ForwardStages(4)> : FusedForwardKernel<T, 4, 0>;
+    case 2: return pipelined ? FusedForwardKernel<T, 2, ForwardStages(2)> : FusedForwardKernel<T, 2, 0>;
+    case 1: return pipelined ? FusedForwardKernel<T, 1, ForwardStages(1)> : FusedForwardKernel<T, 1, 0>;
   }
   return nullptr;
+}
+
+// Whether every source row starts on a 16-byte boundary, as the pipelined
+// forward's asynchronous copies need.
+bool SourceRowsAligned(const attnres_params& p) {
+  if ((p.source_row_stride * ElementBytes(p.dtype)) % 16 != 0) return false;
+  for (const void* source : SourcePointers(p)) {
+    if (reinterpret_cast<uintptr_t>(source) % 16 != 0) return false;
+  }
+  return true;
 }
 
 template <typename T>
@@ -187,11 +200,19 @@ template <typename T>
 attnres_status FusedForward(const attnres_params& p, const plan::Layout& layout,
                             const Device& device, cudaStream_t stream) {
   constexpr int kVec = Chunk<T>::kVec;
-  const FusedForwardFn kernel = FusedForwardFor<T>(layout.chunks);
-  const std::string name = KernelName("FusedForwardKernel", p.dtype, layout.chunks);
+  bool pipeline = false;
+  if (attnres_status s = ForwardPipeline(&pipeline); s != ATTNRES_OK) return s;
+  pipeline = pipeline && plan::ForwardCanPipeline(layout.chunks) && SourceRowsAligned(p);
+  const int threads = layout.group_threads * layout.groups_per_cta;
+  const FusedForwardFn kernel = FusedForwardFor<T>(layout.chunks, pipeline);
+  const std::string name =
+      KernelName(pipeline ? "FusedForwardKernel (pipelined)" : "FusedForwardKernel", p.dtype,
+                 layout.chunks);
   const size_t shared_wg_bytes = static_cast<size_t>(layout.row_chunks * kVec) * sizeof(float);
+  const size_t shared_bytes =
+      shared_wg_bytes + (pipeline ? plan::ForwardRingBytes(layout.chunks, threads) : 0);
   bool fits = true;
-  if (attnres_status s = AllowSharedMemory(reinterpret_cast<const void*>(kernel), shared_wg_bytes,
+  if (attnres_status s = AllowSharedMemory(reinterpret_cast<const void*>(kernel), shared_bytes,
                                            name, device, &fits);
       s != ATTNRES_OK) {
     return s;
@@ -219,15 +240,13 @@ attnres_status FusedForward(const attnres_params& p, const plan::Layout& layout,
   args.eps = static_cast<float>(p.eps);
   args.rmsnorm = p.rmsnorm != 0;
 
-  const int threads = layout.group_threads * layout.groups_per_cta;
   const int64_t steps = (p.num_tokens + layout.groups_per_cta - 1) / layout.groups_per_cta;
   int grid = 0;
-  if (attnres_status s =
-          PersistentGrid(kernel, threads, shared_wg_bytes, steps, name, device, &grid);
+  if (attnres_status s = PersistentGrid(kernel, threads, shared_bytes, steps, name, device, &grid);
       s != ATTNRES_OK) {
     return s;
   }
-  return LaunchAndReduce<T>(kernel, grid, threads, shared_wg_bytes, args, name, p, nullptr, 0,
+  return LaunchAndReduce<T>(kernel, grid, threads, shared_bytes, args, name, p, nullptr, 0,
                            stream);
 }
 

@@ -10,8 +10,10 @@
 //   For source i: partial dot(wg, v_i) and sum(v_i^2) per thread, reduced over
 //   the group; r_i = math::Rms, z_i = scale * dot / r_i; math::OnlineSoftmax
 //   folds z_i in (the accumulator of h rescaled as the running max moves), so
-//   h = acc / s needs no second read. The next source's row is loaded before the
-//   current one is reduced, to keep two rows per thread in flight.
+//   h = acc / s needs no second read. The next source's row is loaded into
+//   registers before the current one is reduced (two rows per thread in
+//   flight), or, in the pipelined kernels, rows travel by asynchronous copies
+//   through a ring in shared memory, several rows ahead and across tokens.
 // Backward (per token): two passes.
 //   Pass 1 reads every v_i once (ld.global.cg: keep it in L2 for pass 2) and
 //   computes ga_i = dot(g, v_i), dot(wg, v_i) and sum(v_i^2) together; per-warp
@@ -179,6 +181,18 @@ struct RowSlice {
       } else {
         raw[k] = C::template LoadPartial<kHint>(row + offset[k], count[k]);
       }
+    }
+  }
+
+  // The same chunks, copied asynchronously (common.cuh: AsyncCopyChunk) into
+  // this thread's slots of one ring stage, chunk k at stage[k * blockDim.x +
+  // threadIdx.x]. The row must be 16-byte aligned.
+  __device__ __forceinline__ void LoadAsync(const Bits* row, bool valid, uint4* stage) const {
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int n = valid ? count[k] : 0;
+      AsyncCopyChunk(stage + k * blockDim.x + threadIdx.x, n > 0 ? row + offset[k] : row,
+                     n * static_cast<int>(sizeof(Bits)));
     }
   }
 
@@ -353,15 +367,68 @@ __device__ __forceinline__ void StoreOutput(const RowSlice<T, kChunks>& slice,
   }
 }
 
+// One source of a token: its reduced statistics, the caches, and the row folded
+// into the accumulator. `cur` is this thread's part of source i's row.
 template <typename T, int kChunks>
+__device__ __forceinline__ void ForwardSource(const FusedForwardArgs& args, const Group& g,
+                                              const RowSlice<T, kChunks>& slice,
+                                              const typename Chunk<T>::Raw (&cur)[kChunks], int i,
+                                              int64_t token, bool valid, const float* shared_wg,
+                                              float (*slots)[2], math::OnlineSoftmax<float>& softmax,
+                                              float (&acc)[RowSlice<T, kChunks>::kElems]) {
+  float part[2];
+  ForwardPartials(slice, cur, shared_wg, part);
+  GroupSum<2>(part, g, slots);
+  const float rms = args.rmsnorm ? math::Rms(part[1], args.dim, args.eps) : 1.f;
+  const float z = args.scale * (part[0] / rms);
+  if (valid && g.thread == 0) {
+    const int64_t at = token * args.num_sources + i;
+    if (args.rms_cache != nullptr) args.rms_cache[at] = rms;
+    // The raw logit for now; rewritten as alpha once the max and sum are known.
+    if (args.alpha_cache != nullptr) args.alpha_cache[at] = z;
+  }
+  AccumulateRow<T, kChunks>(cur, softmax.Add(z), acc);
+}
+
+// After a token's last source: h, and the alpha cache's logits turned into alpha.
+template <typename T, int kChunks>
+__device__ __forceinline__ void FinishToken(const FusedForwardArgs& args, const Group& g,
+                                            const RowSlice<T, kChunks>& slice, int64_t token,
+                                            bool valid, const math::OnlineSoftmax<float>& softmax,
+                                            const float (&acc)[RowSlice<T, kChunks>::kElems]) {
+  using Bits = typename Chunk<T>::Bits;
+  if (valid) {
+    StoreOutput(slice, acc, softmax.denom, static_cast<Bits*>(args.out) + token * args.strides.out);
+  }
+  if (args.alpha_cache != nullptr) {
+    __syncthreads();  // makes thread 0's logit writes visible to its group
+    if (valid) {
+      float* alpha = args.alpha_cache + token * args.num_sources;
+      for (int i = g.thread; i < args.num_sources; i += g.threads) alpha[i] = softmax.Alpha(alpha[i]);
+    }
+  }
+}
+
+// kStages = 0: the next source's row is loaded into registers before the
+// current one is reduced, so two rows per thread are in flight (any alignment).
+// kStages > 0 (plan::ForwardStages; every source row 16-byte aligned): rows go
+// through a ring of kStages slots per thread in shared memory by asynchronous
+// copies, kStages - 1 rows ahead of the one being reduced, and the run ahead
+// crosses from one token to the next, so the memory system always has rows of
+// this thread to fetch. Same arithmetic in the same order: the same bits.
+template <typename T, int kChunks, int kStages>
 __global__ void __launch_bounds__(ForwardMaxThreads(kChunks), ForwardMinCtas(kChunks))
     FusedForwardKernel(const __grid_constant__ FusedForwardArgs args) {
   using Slice = RowSlice<T, kChunks>;
   using Bits = typename Slice::Bits;
+  using Raw = typename Slice::Raw;
   // Two slot arrays, alternated per source, so one barrier per source suffices.
   __shared__ float slots[2][kMaxWarpsPerCta][2];
-  extern __shared__ float4 shared_wg_storage[];  // [padded_dim] floats, 16-byte aligned
-  float* shared_wg = reinterpret_cast<float*>(shared_wg_storage);
+  // [padded_dim] floats of wg, then (kStages > 0) the ring: slot s of chunk k of
+  // thread t at ring[(s * kChunks + k) * blockDim.x + t], so a warp's 16-byte
+  // reads of one slot are consecutive (no bank conflicts).
+  extern __shared__ float4 shared_storage[];
+  float* shared_wg = reinterpret_cast<float*>(shared_storage);
 
   const Group g = MakeGroup(args.group_threads);
   const Slice slice(g, args.dim);
@@ -371,52 +438,75 @@ __global__ void __launch_bounds__(ForwardMaxThreads(kChunks), ForwardMinCtas(kCh
                        shared_wg);
 
   const int64_t num_steps = (args.num_tokens + g.per_cta - 1) / g.per_cta;
+  const auto token_of = [&](int64_t step) { return step * g.per_cta + g.index; };
+  const auto source_row = [&](int i, int64_t token, bool valid) {
+    return static_cast<const Bits*>(args.sources.Get(i)) + (valid ? token * args.strides.source : 0);
+  };
+
+  [[maybe_unused]] uint4* ring = reinterpret_cast<uint4*>(shared_storage + args.padded_dim / 4);
+  // The next row to fetch (kStages > 0): source `ahead_i` of step `ahead_step`.
+  [[maybe_unused]] int64_t ahead_step = blockIdx.x;
+  [[maybe_unused]] int ahead_i = 0;
+  [[maybe_unused]] int ahead_slot = 0;
+  [[maybe_unused]] int slot = 0;
+  // Starts the copy of the next row into its slot, one commit group per row (an
+  // empty group past the last row keeps the count of groups per row uniform).
+  [[maybe_unused]] const auto fetch_ahead = [&] {
+    if (ahead_step < num_steps) {
+      const int64_t token = token_of(ahead_step);
+      const bool valid = token < args.num_tokens;
+      slice.LoadAsync(source_row(ahead_i, token, valid), valid,
+                      ring + ahead_slot * kChunks * blockDim.x);
+      if (++ahead_i == num_sources) {
+        ahead_i = 0;
+        ahead_step += gridDim.x;
+      }
+      if (++ahead_slot == kStages) ahead_slot = 0;
+    }
+    AsyncCommit();
+  };
+  if constexpr (kStages > 0) {
+    for (int s = 0; s + 1 < kStages; ++s) fetch_ahead();
+  }
+
   int phase = 0;
   for (int64_t step = blockIdx.x; step < num_steps; step += gridDim.x) {
-    const int64_t token = step * g.per_cta + g.index;
+    const int64_t token = token_of(step);
     const bool valid = token < args.num_tokens;
-    const int64_t row = valid ? token * args.strides.source : 0;
-    const auto source_row = [&](int i) { return static_cast<const Bits*>(args.sources.Get(i)) + row; };
 
     float acc[Slice::kElems];
 #pragma unroll
     for (int e = 0; e < Slice::kElems; ++e) acc[e] = 0.f;
     math::OnlineSoftmax<float> softmax;
 
-    // The next source's row is loaded before the current one is reduced, so
-    // that two rows per thread are in flight.
-    typename Slice::Raw cur[kChunks], next[kChunks];
-    slice.template Load<Hint::kStreaming>(source_row(0), valid, cur);
-    for (int i = 0; i < num_sources; ++i) {
-      if (i + 1 < num_sources) slice.template Load<Hint::kStreaming>(source_row(i + 1), valid, next);
-      float part[2];
-      ForwardPartials(slice, cur, shared_wg, part);
-      GroupSum<2>(part, g, slots[phase]);
-      phase ^= 1;
-      const float rms = args.rmsnorm ? math::Rms(part[1], args.dim, args.eps) : 1.f;
-      const float z = args.scale * (part[0] / rms);
-      if (valid && g.thread == 0) {
-        const int64_t at = token * num_sources + i;
-        if (args.rms_cache != nullptr) args.rms_cache[at] = rms;
-        // The raw logit for now; rewritten as alpha once the max and sum are known.
-        if (args.alpha_cache != nullptr) args.alpha_cache[at] = z;
-      }
-      AccumulateRow<T, kChunks>(cur, softmax.Add(z), acc);
+    if constexpr (kStages == 0) {
+      Raw cur[kChunks], next[kChunks];
+      slice.template Load<Hint::kStreaming>(source_row(0, token, valid), valid, cur);
+      for (int i = 0; i < num_sources; ++i) {
+        if (i + 1 < num_sources) {
+          slice.template Load<Hint::kStreaming>(source_row(i + 1, token, valid), valid, next);
+        }
+        ForwardSource<T, kChunks>(args, g, slice, cur, i, token, valid, shared_wg, slots[phase],
+                                  softmax, acc);
+        phase ^= 1;
 #pragma unroll
-      for (int k = 0; k < kChunks; ++k) cur[k] = next[k];
-    }
-
-    if (valid) {
-      StoreOutput(slice, acc, softmax.denom,
-                  static_cast<Bits*>(args.out) + token * args.strides.out);
-    }
-    if (args.alpha_cache != nullptr) {
-      __syncthreads();  // makes thread 0's logit writes visible to its group
-      if (valid) {
-        float* alpha = args.alpha_cache + token * num_sources;
-        for (int i = g.thread; i < num_sources; i += g.threads) alpha[i] = softmax.Alpha(alpha[i]);
+        for (int k = 0; k < kChunks; ++k) cur[k] = next[k];
+      }
+    } else {
+      for (int i = 0; i < num_sources; ++i) {
+        // The slot fetch_ahead refills now was read into registers one source ago.
+        fetch_ahead();
+        AsyncWait<kStages - 1>();  // this row's group, kStages - 1 groups back
+        Raw cur[kChunks];
+#pragma unroll
+        for (int k = 0; k < kChunks; ++k) cur[k] = ring[(slot * kChunks + k) * blockDim.x + threadIdx.x];
+        if (++slot == kStages) slot = 0;
+        ForwardSource<T, kChunks>(args, g, slice, cur, i, token, valid, shared_wg, slots[phase],
+                                  softmax, acc);
+        phase ^= 1;
       }
     }
+    FinishToken<T, kChunks>(args, g, slice, token, valid, softmax, acc);
   }
 }
 

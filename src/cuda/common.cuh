@@ -267,6 +267,54 @@ struct Chunk {
 };
 
 // ---------------------------------------------------------------------------
+// Asynchronous copies, global -> shared memory (cp.async, sm_80 and newer).
+//
+// A copy in flight holds no register, so a kernel can keep several rows per
+// thread in flight where registers would allow one (block_attn_res_fused.cuh:
+// the pipelined forward). Each thread waits only for its own copies and reads
+// only what it copied, so no barrier is needed between a copy and its use.
+// Copies are committed in groups; AsyncWait<N> returns once at most N of this
+// thread's committed groups are still pending. On GPUs older than sm_80 the
+// copy is an ordinary load and store (the wait then has nothing to wait for).
+// The CPU emulator (tests/cuda_emulation/emu.h) defers each copy to the wait
+// and poisons its destination until then, so a read before the wait shows.
+
+// Copies the first src_bytes (0..16) of the 16-byte-aligned chunk at src into
+// the 16 bytes at dst, zero-filling the rest; src_bytes = 0 reads nothing.
+__device__ __forceinline__ void AsyncCopyChunk(uint4* dst, const void* src, int src_bytes) {
+#if defined(ATTNRES_CUDA_EMULATOR)
+  emu::AsyncCopy(dst, src, src_bytes);
+#elif !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  const unsigned shared = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+#else
+  uint32_t words[4] = {0, 0, 0, 0};
+  const unsigned char* bytes = static_cast<const unsigned char*>(src);
+  for (int b = 0; b < src_bytes; ++b) words[b / 4] |= static_cast<uint32_t>(bytes[b]) << (8 * (b % 4));
+  *dst = make_uint4(words[0], words[1], words[2], words[3]);
+#endif
+}
+
+__device__ __forceinline__ void AsyncCommit() {
+#if defined(ATTNRES_CUDA_EMULATOR)
+  emu::AsyncCommit();
+#elif !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int kPending>
+__device__ __forceinline__ void AsyncWait() {
+#if defined(ATTNRES_CUDA_EMULATOR)
+  emu::AsyncWait(kPending);
+#elif !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------
 // Reductions.
 
 template <typename Acc>

@@ -62,6 +62,23 @@ struct KernelShape {
 inline constexpr KernelShape kForwardShapes[] = {{4, 256}, {2, 512}, {1, 1024}, {8, 256}};
 inline constexpr KernelShape kBackwardShapes[] = {{2, 512}, {1, 512}, {4, 512}};
 
+// The pipelined forward (block_attn_res_fused.cuh, kStages > 0) keeps each
+// thread's next rows in a ring of ForwardStages(chunks) slots in shared memory,
+// stages - 1 rows in flight per thread, where registers leave room for one:
+// with the 2-chunk bf16 kernel's ~80 registers an H200 SM holds 768 threads,
+// 24 KiB of rows in flight at one row each, while its share of the bandwidth
+// times the loaded memory latency is 48 KiB or more. Per SM the rings take
+// 4 x 16 B x chunks x threads: 96 KiB for 4 CTAs of the 2-chunk kernel; the
+// 4-chunk kernel (two CTAs of 256 threads, wg up to 32 KiB each) takes 3 stages
+// so that two CTAs still fit an A100's 164 KiB; the 8-chunk kernel (one CTA,
+// wg up to 64 KiB) keeps its rows in registers. 0: not pipelined.
+constexpr int ForwardStages(int chunks) { return chunks <= 2 ? 4 : chunks == 4 ? 3 : 0; }
+constexpr bool ForwardCanPipeline(int chunks) { return ForwardStages(chunks) > 0; }
+// The ring's bytes for a CTA of `cta_threads` threads (16-byte chunks).
+constexpr size_t ForwardRingBytes(int chunks, int cta_threads) {
+  return size_t{16} * ForwardStages(chunks) * chunks * cta_threads;
+}
+
 // Whether the backward kernel with `chunks` per thread reads wg = w * gamma from
 // shared memory (the whole row, zero-padded to the group's chunk slots) rather
 // than keeping its elements in registers.

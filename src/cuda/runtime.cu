@@ -234,6 +234,16 @@ attnres_status GridCap(int64_t* cap) {
   return ATTNRES_OK;
 }
 
+attnres_status ForwardPipeline(bool* on) {
+  const char* text = std::getenv("ATTNRES_CUDA_FORWARD_PIPELINE");
+  const std::string value = text == nullptr ? "" : text;
+  *on = value == "1";
+  if (value.empty() || value == "0" || value == "1") return ATTNRES_OK;
+  return Fail(ATTNRES_ERROR_INVALID_ARGUMENT,
+              "attnres CUDA backend: ATTNRES_CUDA_FORWARD_PIPELINE must be 0 or 1, got '" +
+                  value + "'");
+}
+
 attnres_status CheckKernel(const void* kernel, int threads, const std::string& name) {
   cudaFuncAttributes attr = {};
   const cudaError_t err = cudaFuncGetAttributes(&attr, kernel);

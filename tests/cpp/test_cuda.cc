@@ -349,6 +349,30 @@ TEST(CudaBackend, SweepMatchesReferenceForAnyGrid) {
   }
 }
 
+// The pipelined forward (ATTNRES_CUDA_FORWARD_PIPELINE=1: rows through a ring
+// of asynchronous copies in shared memory) against the register kernels, on
+// the sweep: the same bits, with the grid the device chooses and with 3 CTAs
+// (each CTA's run-ahead then crosses from token to token many times). Cases
+// with misaligned rows take the register kernels either way.
+TEST(CudaBackend, PipelinedForwardGivesTheSameBits) {
+  ATTNRES_SKIP_WITHOUT_CUDA();
+  int pipelined = 0;
+  for (const SweepCase& s : SweepCases()) {
+    SCOPED_TRACE(s.c.Describe() + " fwd " + KernelOf(s.c, false) + (s.use_caches ? " caches" : ""));
+    const attnres::ref::Problem problem = MakeProblem(s.c);
+    const bool rms = s.c.rmsnorm && s.use_caches;
+    AbiProblem dev(s.c, problem, ATTNRES_DEVICE_CUDA);
+    const ForwardOutput plain = dev.Forward(rms, s.use_caches);
+    ScopedEnv pipeline("ATTNRES_CUDA_FORWARD_PIPELINE", "1");
+    ExpectBitwiseEqual(plain, dev.Forward(rms, s.use_caches), "pipelined");
+    ScopedEnv cap("ATTNRES_CUDA_MAX_CTAS", "3");
+    ExpectBitwiseEqual(plain, dev.Forward(rms, s.use_caches), "pipelined, 3 CTAs");
+    pipelined += s.c.source_pad % 8 == 0 && KernelOf(s.c, false) != "generic";
+    if (::testing::Test::HasFailure()) break;
+  }
+  EXPECT_GT(pipelined, 10) << "too few sweep cases with aligned rows on the fused kernels";
+}
+
 TEST(CudaBackend, PeakedCorrelatedWeightGradients) {
   ATTNRES_SKIP_WITHOUT_CUDA();
   const Case c = PeakedCase();
@@ -876,7 +900,7 @@ TEST(CudaBackend, ScratchComesFromTheLibrarysPool) {
   EXPECT_EQ(after, before);
 }
 
-TEST(CudaBackend, GridCapKnobIsValidated) {
+TEST(CudaBackend, KnobsAreValidated) {
   ATTNRES_SKIP_WITHOUT_CUDA();
   Case c;
   c.dim = 64;
@@ -887,6 +911,13 @@ TEST(CudaBackend, GridCapKnobIsValidated) {
     const attnres_params p = dev.PrepareForward(false, false);
     EXPECT_EQ(attnres_forward(&p), ATTNRES_ERROR_INVALID_ARGUMENT) << bad;
     EXPECT_NE(std::string(attnres_last_error()).find("ATTNRES_CUDA_MAX_CTAS"), std::string::npos);
+  }
+  for (const char* bad : {"2", "yes", "01"}) {
+    ScopedEnv env("ATTNRES_CUDA_FORWARD_PIPELINE", bad);
+    const attnres_params p = dev.PrepareForward(false, false);
+    EXPECT_EQ(attnres_forward(&p), ATTNRES_ERROR_INVALID_ARGUMENT) << bad;
+    EXPECT_NE(std::string(attnres_last_error()).find("ATTNRES_CUDA_FORWARD_PIPELINE"),
+              std::string::npos);
   }
 }
 
@@ -935,7 +966,13 @@ TEST(CudaBackend, SanitizerCases) {
       const attnres::ref::Problem problem = MakeProblem(c);
       const std::vector<double> grad_out = MakeGradOut(c);
       AbiProblem dev(c, problem, ATTNRES_DEVICE_CUDA, shifted);
-      ExpectForwardClose(c, dev.Forward(c.rmsnorm, true), attnres::ref::Forward(problem), true);
+      const attnres::ref::ForwardResult ref_fwd = attnres::ref::Forward(problem);
+      ExpectForwardClose(c, dev.Forward(c.rmsnorm, true), ref_fwd, true);
+      if (c.source_pad == 0) {  // aligned rows: the pipelined forward too
+        ScopedEnv pipeline("ATTNRES_CUDA_FORWARD_PIPELINE", "1");
+        AbiProblem aligned(c, problem, ATTNRES_DEVICE_CUDA);
+        ExpectForwardClose(c, aligned.Forward(c.rmsnorm, true), ref_fwd, true);
+      }
       const attnres::ref::BackwardResult ref = attnres::ref::Backward(problem, grad_out);
       for (bool caches : {false, true}) {
         ExpectBackwardClose(c, dev.Backward(grad_out, WithCaches(caches)), ref, WithCaches(caches));

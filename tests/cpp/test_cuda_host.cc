@@ -206,6 +206,31 @@ std::vector<std::vector<int64_t>> RowsAsSummed(int64_t num_tokens, int groups_pe
 
 // What makes dw/dgamma independent of the GPU: each row's tokens, and their
 // order, are the same for every grid size, and every token is in exactly one row.
+// The pipelined forward's shared memory (wg, then the ring of row slots) for
+// every row a pipelined shape takes stays within what the launch plans without
+// falling back (plan::kOptInSharedBytes; sm_80 and newer grant more), so an
+// aligned call never trades the pipeline for the generic kernels. The 8-chunk
+// shape is not pipelined.
+TEST(CudaPlan, PipelinedForwardSharedMemory) {
+  EXPECT_FALSE(plan::ForwardCanPipeline(8));
+  for (int vec : {kVec16, kVec32}) {
+    for (int64_t dim = 1; dim <= 8192; dim += (dim < 300 ? 1 : 29)) {
+      plan::Layout l;
+      if (!plan::ChooseLayout(dim, vec, plan::kForwardShapes, &l) ||
+          !plan::ForwardCanPipeline(l.chunks)) {
+        continue;
+      }
+      SCOPED_TRACE("dim " + std::to_string(dim) + " vec " + std::to_string(vec));
+      const int threads = l.group_threads * l.groups_per_cta;
+      const size_t wg = static_cast<size_t>(l.row_chunks) * vec * sizeof(float);
+      const size_t ring = plan::ForwardRingBytes(l.chunks, threads);
+      EXPECT_EQ(ring, size_t{16} * plan::ForwardStages(l.chunks) * l.chunks * threads);
+      EXPECT_GE(plan::ForwardStages(l.chunks), 3);
+      EXPECT_LE(wg + ring, plan::kOptInSharedBytes);
+    }
+  }
+}
+
 TEST(CudaPlan, PartialRowsDoNotDependOnTheGrid) {
   for (int64_t tokens : {1, 7, 8, 9, 20000, 65536 + 3}) {
     for (int groups_per_cta : {1, 2, 3, 8}) {

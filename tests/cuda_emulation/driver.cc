@@ -28,7 +28,9 @@
 // Coverage (the -v summary lists it): fused forward with 1/2/4 chunks per
 // thread and fused backward with 1/2, each with W = 1 and W > 1 warps per token
 // group, and the wide-row 8-chunk forward and 4-chunk backward (wg in shared
-// memory), in bf16/fp16/fp32; backward statistics in shared and in global memory;
+// memory), in bf16/fp16/fp32; the pipelined forward (1/2/4 chunks, W = 1 and
+// W > 1) bit for bit against the register one where rows are 16-byte aligned;
+// backward statistics in shared and in global memory;
 // partial last chunks, misaligned rows (2-, 4-, 8-byte accesses), row padding,
 // null source gradients, L > 128 (pointer tables in memory), with and without
 // the forward's caches; generic kernels in all four dtypes incl. rows too wide
@@ -341,11 +343,42 @@ void RunBlock(const BlockCase& c, uint64_t seed) {
     const int threads = layout.group_threads * layout.groups_per_cta;
     const int64_t steps = (T_ + layout.groups_per_cta - 1) / layout.groups_per_cta;
     const int grid = static_cast<int>(plan::PersistentGridSize(steps, 1, 1 << 20, c.caps[0]));
-    auto run = [&](auto kernel) { emu::Launch(dim3(grid), dim3(threads), a.padded_dim * sizeof(float), [&] { kernel(a); }); };
-    if (layout.chunks == 8) run(FusedForwardKernel<T, 8>);
-    else if (layout.chunks == 4) run(FusedForwardKernel<T, 4>);
-    else if (layout.chunks == 2) run(FusedForwardKernel<T, 2>);
-    else run(FusedForwardKernel<T, 1>);
+    auto run = [&](auto kernel, size_t ring_bytes) {
+      emu::Launch(dim3(grid), dim3(threads), a.padded_dim * sizeof(float) + ring_bytes, [&] { kernel(a); });
+    };
+    if (layout.chunks == 8) run(FusedForwardKernel<T, 8, 0>, 0);
+    else if (layout.chunks == 4) run(FusedForwardKernel<T, 4, 0>, 0);
+    else if (layout.chunks == 2) run(FusedForwardKernel<T, 2, 0>, 0);
+    else run(FusedForwardKernel<T, 1, 0>, 0);
+    // The pipelined forward (rows 16-byte aligned, as the host requires), at the
+    // second grid size: every bit as the register kernel's.
+    const bool aligned = (c.mis * sizeof(BitsOf<T>)) % 16 == 0 && (S * sizeof(BitsOf<T>)) % 16 == 0;
+    if (aligned && plan::ForwardCanPipeline(layout.chunks)) {
+      Mat<T> out2(T_, D, S + 1, c.mis);
+      Buf rms2(T_ * L * sizeof(CacheT)), alpha2(T_ * L * sizeof(CacheT));
+      FusedForwardArgs b = a;
+      b.out = out2.ptr();
+      b.rms_cache = c.caches ? rms2.template at<float>() : nullptr;
+      b.alpha_cache = c.caches ? alpha2.template at<float>() : nullptr;
+      const int grid2 = static_cast<int>(plan::PersistentGridSize(steps, 1, 1 << 20, c.caps[1]));
+      const size_t ring = plan::ForwardRingBytes(layout.chunks, threads);
+      auto run2 = [&](auto kernel) {
+        emu::Launch(dim3(grid2), dim3(threads), b.padded_dim * sizeof(float) + ring, [&] { kernel(b); });
+      };
+      using plan::ForwardStages;
+      if (layout.chunks == 4) run2(FusedForwardKernel<T, 4, ForwardStages(4)>);
+      else if (layout.chunks == 2) run2(FusedForwardKernel<T, 2, ForwardStages(2)>);
+      else run2(FusedForwardKernel<T, 1, ForwardStages(1)>);
+      const std::string what = "pipelined forward (grid " + std::to_string(grid2) + ")";
+      CheckBits(what + " h", out.ptr(), out2.ptr(), (T_ * (S + 1)) * sizeof(BitsOf<T>), false);
+      CheckPadding(what + " h", out2);
+      if (c.caches) {
+        CheckBits(what + " alpha_cache", alpha_cache.p, alpha2.p, alpha2.bytes, false);
+        CheckBits(what + " rms_cache", rms_cache.p, rms2.p, rms2.bytes, false);
+      }
+      fam.covered.insert(std::string("fwd pipelined ") + DtypeName<T>() + " chunks=" +
+                         std::to_string(layout.chunks) + (layout.group_threads > 32 ? " W>1" : " W=1"));
+    }
     char k[128];
     snprintf(k, sizeof k, "FusedForwardKernel<%s,%d> G=%d W=%d groups/CTA=%d grid=%d", DtypeName<T>(),
              layout.chunks, layout.group_threads, layout.group_threads / 32, layout.groups_per_cta, grid);
@@ -933,6 +966,15 @@ int main(int argc, char** argv) {
         // width with a partial last chunk, misaligned rows and a null gradient.
         {17, 2048, 0, 3, true, true, 0, 0, 0, true, true, {1, 2}},
         {9, 1300, 3, 2, false, false, 1, 3, 0b01, true, true, {1, 2}},
+        // 16-byte-aligned rows (pad = short_by), so the pipelined forward runs too:
+        // partial last chunks, L = 1 and 2 (fewer rows than ring stages), every
+        // pipelined shape with W = 1 and W > 1, L > 128, one CTA for every token.
+        {13, 25, 3, 3, true, true, 0, 3, 0, true, true, {1, 3}},
+        {9, 40, 1, 1, true, true, 0, 1, 0, true, true, {1, 2}},
+        {11, 170, 2, 2, false, true, 0, 2, 0, true, true, {2, 1}},
+        {7, 100, 0, 5, true, true, 0, 0, 0, true, true, {1, 3}},
+        {7, 230, 0, 5, true, false, 0, 8, 0, true, true, {3, 1}},
+        {5, 70, 2, 150, true, true, 0, 2, 0, true, true, {1, 2}},
     };
     for (const BlockCase& c : cases) { EACH_TYPE(false, RunBlock<T>(c, seed)); ++seed; }
     // Global statistics: W = 4 (256 chunks: bwd 2/128) needs 64 L bytes per

@@ -16,7 +16,11 @@
 //     emu::dyn_smem, which is poisoned with 0xFF bytes (NaN as a float) before
 //     every CTA so that reads of unwritten shared memory show up, even where
 //     they are multiplied by zero;
-//   - cache hints (__ldcg, __ldcs, __stcs) are plain loads and stores.
+//   - cache hints (__ldcg, __ldcs, __stcs) are plain loads and stores;
+//   - asynchronous copies (common.cuh: AsyncCopyChunk, AsyncCommit, AsyncWait,
+//     with ATTNRES_CUDA_EMULATOR defined) are queued per thread and performed
+//     only when a wait retires their group; until then the destination holds
+//     0xFF bytes, so a read that comes before its wait sees NaN.
 // What it cannot see: data races between threads (fibers interleave only at
 // barriers), memory-model/visibility bugs, warp-divergence issues of
 // __shfl_xor_sync with a partial mask, launch-bound or register limits, and
@@ -24,6 +28,7 @@
 // driver therefore compares against the float64 reference with SPEC §3
 // tolerances, and compares emulated runs bit for bit only with each other.
 #pragma once
+#define ATTNRES_CUDA_EMULATOR 1
 // Fibers switch with _setjmp/_longjmp (no signal-mask syscall, unlike
 // swapcontext); glibc's fortified longjmp refuses to jump between stacks.
 #ifdef _FORTIFY_SOURCE
@@ -85,6 +90,15 @@ inline std::function<void()> body;
 inline long switches = 0;
 inline long progress = 0;  // arrivals, releases and exits: a round without any is a deadlock
 
+// One thread's asynchronous copies: committed groups, oldest first, and the
+// copies issued since the last commit.
+struct AsyncCopyJob { void* dst; const void* src; int bytes; };
+struct AsyncQueue {
+  std::vector<std::vector<AsyncCopyJob>> committed;
+  std::vector<AsyncCopyJob> open;
+};
+inline std::vector<AsyncQueue> async_queues;
+
 inline void* DynSmem() { return dyn_smem.data(); }
 inline int Linear() { return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z); }
 inline void Yield() {
@@ -125,6 +139,7 @@ void Launch(dim3 grid, dim3 block, size_t smem, Fn fn) {
     dyn_smem.assign(smem + 16, 0xFF);
     fibers.assign(n, Fiber{});
     slots.assign(n, 0);
+    async_queues.assign(n, AsyncQueue{});
     cta = Bar{n, 0, 0};
     warps.assign((n + 31) / 32, Bar{});
     for (int t = 0; t < n; ++t) warps[t / 32].live++;
@@ -180,6 +195,34 @@ T __shfl_xor_sync(unsigned, T v, int mask) {
   emu::Arrive(emu::warps[w]);
   return r;
 }
+namespace emu {
+inline void AsyncCopy(void* dst, const void* src, int bytes) {
+  // cp.async's rules: 16-byte-aligned addresses on both sides, 0..16 bytes read.
+  if (reinterpret_cast<uintptr_t>(dst) % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0 ||
+      bytes < 0 || bytes > 16) {
+    fprintf(stderr, "emu: AsyncCopy(dst %p, src %p, %d bytes) breaks cp.async's alignment or size\n",
+            dst, src, bytes);
+    abort();
+  }
+  memset(dst, 0xFF, 16);
+  async_queues[Linear()].open.push_back({dst, src, bytes});
+}
+inline void AsyncCommit() {
+  AsyncQueue& q = async_queues[Linear()];
+  q.committed.push_back(std::move(q.open));
+  q.open.clear();
+}
+inline void AsyncWait(int pending) {
+  AsyncQueue& q = async_queues[Linear()];
+  while (static_cast<int>(q.committed.size()) > pending) {
+    for (const AsyncCopyJob& job : q.committed.front()) {
+      memset(job.dst, 0, 16);
+      memcpy(job.dst, job.src, job.bytes);
+    }
+    q.committed.erase(q.committed.begin());
+  }
+}
+}  // namespace emu
 template <typename T> T __ldcg(const T* p) { return *p; }
 template <typename T> T __ldcs(const T* p) { return *p; }
 template <typename T> void __stcs(T* p, T v) { *p = v; }
