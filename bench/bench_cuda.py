@@ -13,9 +13,10 @@ Effective bandwidth = minimal bytes / time, reported as a fraction of the
 device's streaming bandwidth measured in the same run: a read-only stream for
 the forward, a device-to-device copy (read + write) for the backward.
 
-Also per shape: the pipelined forward (ATTNRES_CUDA_FORWARD_PIPELINE=1) against
-the register one, medians of three alternated timings each, and whether both
-gave the same bits; the backward without dw/dgamma (what the weight gradients' fixed
+Also per shape: the pipelined kernels (ATTNRES_CUDA_FORWARD_PIPELINE=1,
+ATTNRES_CUDA_BACKWARD_PIPELINE=1) against the register ones, medians of three
+alternated timings each, and whether both gave the same bits (h; the first and
+last source gradients, dw, dgamma); the backward without dw/dgamma (what the weight gradients' fixed
 per-chunk partial rows and their reduction cost), and the host time of one call
 (argument checks, including one cudaPointerGetAttributes per pointer, and the
 launches), measured without synchronising.
@@ -137,6 +138,28 @@ def host_us(fn, calls=50):
     torch.cuda.synchronize()
     times.sort()
     return times[len(times) // 2]
+
+
+def pipelined_vs_register(knob, call, outputs):
+    """Times `call` with the pipelined kernels (environment `knob` = 1: rows through a ring
+    of asynchronous copies in shared memory) and with the register ones (0), alternated
+    so both see the same device state: the medians of three timings each, and whether
+    both left the same bits in `outputs`."""
+    os.environ[knob] = "0"
+    call()
+    expected = [t.clone() for t in outputs]
+    pipelined, register = [], []
+    for _ in range(3):
+        os.environ[knob] = "1"
+        pipelined.append(time_cuda(call))
+        os.environ[knob] = "0"
+        register.append(time_cuda(call))
+    os.environ[knob] = "1"
+    call()
+    torch.cuda.synchronize()
+    os.environ[knob] = "0"
+    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(outputs, expected))
+    return sorted(pipelined)[1], sorted(register)[1], same
 
 
 def stream_bandwidth(num_bytes=4 << 30):
@@ -287,30 +310,21 @@ def main():
                 row["attnres_fwd_ms"] = ms
                 row["attnres_fwd_GBps"] = fwd_bytes / ms / 1e6
                 row["attnres_fwd_frac_of_read_bw"] = row["attnres_fwd_GBps"] / bw["read_GBps"]
-                # The pipelined forward (ATTNRES_CUDA_FORWARD_PIPELINE=1: rows through a ring of
-                # asynchronous copies in shared memory), alternated with the register kernels so
-                # both see the same device state; the two must give the same bits.
-                fwd()
-                plain_out = out.clone()
-                pipelined_ms, plain_ms = [], []
-                for _ in range(3):
-                    os.environ["ATTNRES_CUDA_FORWARD_PIPELINE"] = "1"
-                    pipelined_ms.append(time_cuda(fwd))
-                    os.environ["ATTNRES_CUDA_FORWARD_PIPELINE"] = "0"
-                    plain_ms.append(time_cuda(fwd))
-                os.environ["ATTNRES_CUDA_FORWARD_PIPELINE"] = "1"
-                fwd()
-                os.environ["ATTNRES_CUDA_FORWARD_PIPELINE"] = "0"
-                row["pipelined_fwd_bits_equal"] = bool(torch.equal(out.view(torch.int16 if elem == 2 else torch.int32),
-                                                                   plain_out.view(torch.int16 if elem == 2 else torch.int32)))
-                row["pipelined_fwd_ms"] = sorted(pipelined_ms)[1]
-                row["pipelined_fwd_frac_of_read_bw"] = fwd_bytes / row["pipelined_fwd_ms"] / 1e6 / bw["read_GBps"]
-                row["speedup_pipelined_vs_register_fwd"] = sorted(plain_ms)[1] / row["pipelined_fwd_ms"]
-                del plain_out
+                ms, reg_ms, same = pipelined_vs_register("ATTNRES_CUDA_FORWARD_PIPELINE", fwd, [out])
+                row["pipelined_fwd_ms"] = ms
+                row["pipelined_fwd_frac_of_read_bw"] = fwd_bytes / ms / 1e6 / bw["read_GBps"]
+                row["speedup_pipelined_vs_register_fwd"] = reg_ms / ms
+                row["pipelined_fwd_bits_equal"] = same
                 ms = time_cuda(bwd)
                 row["attnres_bwd_ms"] = ms
                 row["attnres_bwd_GBps"] = bwd_bytes / ms / 1e6
                 row["attnres_bwd_frac_of_copy_bw"] = row["attnres_bwd_GBps"] / bw["copy_GBps"]
+                ms, reg_ms, same = pipelined_vs_register("ATTNRES_CUDA_BACKWARD_PIPELINE", bwd,
+                                                         [grads[0], grads[-1], dw, dgamma])
+                row["pipelined_bwd_ms"] = ms
+                row["pipelined_bwd_frac_of_copy_bw"] = bwd_bytes / ms / 1e6 / bw["copy_GBps"]
+                row["speedup_pipelined_vs_register_bwd"] = reg_ms / ms
+                row["pipelined_bwd_bits_equal"] = same
                 # The same backward without dw/dgamma: no partial rows, no reduction.
                 q.grad_proj_weight, q.grad_gamma = None, None
                 row["attnres_bwd_no_weight_grads_ms"] = time_cuda(bwd)

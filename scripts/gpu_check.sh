@@ -336,9 +336,10 @@ if (not build_only and gpu_count > 0 and env["GC_RUN_BENCH"] == "1" and "bench" 
     failures.append(f"bench_cuda.py exited {rc('GC_BENCH_RC')}")
 bench = read_json("bench.json") if rc("GC_BENCH_RC") != -1 else None
 for row in (bench or {}).get("results", []) if isinstance(bench, dict) else []:
-    if row.get("pipelined_fwd_bits_equal") is False:
-        failures.append(f"the pipelined forward's bits differ from the register kernels' at "
-                        f"T={row['tokens']} D={row['dim']} L={row['sources']}")
+    for direction in ("fwd", "bwd"):
+        if row.get(f"pipelined_{direction}_bits_equal") is False:
+            failures.append(f"the pipelined {direction}'s bits differ from the register kernels' at "
+                            f"T={row['tokens']} D={row['dim']} L={row['sources']}")
 
 report = {
     "ok": not failures,

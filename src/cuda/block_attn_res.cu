@@ -95,25 +95,30 @@ FusedForwardFn FusedForwardFor(int chunks, bool pipelined) {
   return nullptr;
 }
 
-// Whether every source row starts on a 16-byte boundary, as the pipelined
-// forward's asynchronous copies need.
-bool SourceRowsAligned(const attnres_params& p) {
-  if ((p.source_row_stride * ElementBytes(p.dtype)) % 16 != 0) return false;
+// Whether every row the pipelined kernels copy asynchronously starts on a
+// 16-byte boundary: the sources', and in the backward grad_out's.
+bool PipelinedRowsAligned(const attnres_params& p, bool backward) {
+  const auto aligned = [&](const void* base, int64_t stride) {
+    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (stride * ElementBytes(p.dtype)) % 16 == 0;
+  };
   for (const void* source : SourcePointers(p)) {
-    if (reinterpret_cast<uintptr_t>(source) % 16 != 0) return false;
+    if (!aligned(source, p.source_row_stride)) return false;
   }
-  return true;
+  return !backward || aligned(p.grad_out, p.grad_out_row_stride);
 }
 
 template <typename T>
-FusedBackwardFn FusedBackwardFor(int chunks) {
+FusedBackwardFn FusedBackwardFor(int chunks, bool pipelined) {
   static_assert(BackwardMaxThreads(4) == 512 && BackwardMaxThreads(2) == 512 &&
                     BackwardMaxThreads(1) == 512,
                 "plan::kBackwardShapes and the instantiations below disagree");
+  static_assert(!plan::BackwardCanPipeline(4) && plan::BackwardCanPipeline(2),
+                "plan::BackwardCanPipeline and the instantiations below disagree");
+  using plan::BackwardStages;
   switch (chunks) {
-    case 4: return FusedBackwardKernel<T, 4>;
-    case 2: return FusedBackwardKernel<T, 2>;
-    case 1: return FusedBackwardKernel<T, 1>;
+    case 4: return FusedBackwardKernel<T, 4, 0>;
+    case 2: return pipelined ? FusedBackwardKernel<T, 2, BackwardStages(2)> : FusedBackwardKernel<T, 2, 0>;
+    case 1: return pipelined ? FusedBackwardKernel<T, 1, BackwardStages(1)> : FusedBackwardKernel<T, 1, 0>;
   }
   return nullptr;
 }
@@ -193,16 +198,14 @@ template <typename T>
 attnres_status GenericLaunch(const attnres_params& p, bool backward, const Device& device,
                              cudaStream_t stream);
 
-// The fused launchers take the generic kernels instead when the device cannot
-// give the layout the shared memory it needs (the wide-row kernels' opt-in
-// beyond 48 KiB, on GPUs older than sm_80).
+// The fused launchers take the register kernels instead of the pipelined ones,
+// and the generic kernels instead of the register ones, when the device cannot
+// give the launch the shared memory it needs (the opt-in beyond 48 KiB, on GPUs
+// older than sm_80).
 template <typename T>
-attnres_status FusedForward(const attnres_params& p, const plan::Layout& layout,
+attnres_status FusedForward(const attnres_params& p, const plan::Layout& layout, bool pipeline,
                             const Device& device, cudaStream_t stream) {
   constexpr int kVec = Chunk<T>::kVec;
-  bool pipeline = false;
-  if (attnres_status s = ForwardPipeline(&pipeline); s != ATTNRES_OK) return s;
-  pipeline = pipeline && plan::ForwardCanPipeline(layout.chunks) && SourceRowsAligned(p);
   const int threads = layout.group_threads * layout.groups_per_cta;
   const FusedForwardFn kernel = FusedForwardFor<T>(layout.chunks, pipeline);
   const std::string name =
@@ -217,6 +220,7 @@ attnres_status FusedForward(const attnres_params& p, const plan::Layout& layout,
       s != ATTNRES_OK) {
     return s;
   }
+  if (!fits && pipeline) return FusedForward<T>(p, layout, false, device, stream);
   if (!fits) return GenericLaunch<T>(p, false, device, stream);
 
   FusedForwardArgs args;
@@ -251,28 +255,36 @@ attnres_status FusedForward(const attnres_params& p, const plan::Layout& layout,
 }
 
 template <typename T>
-attnres_status FusedBackward(const attnres_params& p, plan::Layout layout, const Device& device,
-                             cudaStream_t stream) {
+attnres_status FusedBackward(const attnres_params& p, plan::Layout layout, bool pipeline,
+                             const Device& device, cudaStream_t stream) {
   const int64_t L = NumSources(p);
+  const plan::Layout chosen = layout;
   const plan::StatsPlacement placement = plan::PlaceBackwardStats(L, Chunk<T>::kVec, &layout);
-  const FusedBackwardFn kernel = FusedBackwardFor<T>(layout.chunks);
-  const std::string name = KernelName("FusedBackwardKernel", p.dtype, layout.chunks);
+  const FusedBackwardFn kernel = FusedBackwardFor<T>(layout.chunks, pipeline);
+  const std::string name =
+      KernelName(pipeline ? "FusedBackwardKernel (pipelined)" : "FusedBackwardKernel", p.dtype,
+                 layout.chunks);
+  const int threads = layout.group_threads * layout.groups_per_cta;
+  // The ring, when there is one, after the weights and statistics, 16-byte aligned.
+  const size_t ring_offset = (placement.dynamic_shared_bytes + 15) / 16;
+  const size_t shared_bytes =
+      pipeline ? 16 * ring_offset + plan::BackwardRingBytes(layout.chunks, threads)
+               : placement.dynamic_shared_bytes;
   bool fits = true;
-  if (attnres_status s = AllowSharedMemory(reinterpret_cast<const void*>(kernel),
-                                           placement.dynamic_shared_bytes, name, device, &fits);
+  if (attnres_status s = AllowSharedMemory(reinterpret_cast<const void*>(kernel), shared_bytes,
+                                           name, device, &fits);
       s != ATTNRES_OK) {
     return s;
   }
+  if (!fits && pipeline) return FusedBackward<T>(p, chosen, false, device, stream);
   if (!fits) return GenericLaunch<T>(p, true, device, stream);
 
   FusedBackwardArgs args;
   LaunchScratch scratch(device, stream);
   if (attnres_status s = scratch.FillTables(p, true, &args); s != ATTNRES_OK) return s;
-  const int threads = layout.group_threads * layout.groups_per_cta;
   const int64_t items = plan::NumWorkItems(p.num_tokens, layout.groups_per_cta);
   int grid = 0;
-  if (attnres_status s = PersistentGrid(kernel, threads, placement.dynamic_shared_bytes, items,
-                                        name, device, &grid);
+  if (attnres_status s = PersistentGrid(kernel, threads, shared_bytes, items, name, device, &grid);
       s != ATTNRES_OK) {
     return s;
   }
@@ -301,11 +313,12 @@ attnres_status FusedBackward(const attnres_params& p, plan::Layout layout, const
   args.group_threads = layout.group_threads;
   args.stats_floats = static_cast<int>(placement.bytes_per_group / sizeof(float));
   args.weight_floats = static_cast<int>(placement.weight_bytes / sizeof(float));
+  args.ring_offset = static_cast<int>(ring_offset);
   args.scale = static_cast<float>(p.scale);
   args.eps = static_cast<float>(p.eps);
   args.rmsnorm = p.rmsnorm != 0;
 
-  return LaunchAndReduce<T>(kernel, grid, threads, placement.dynamic_shared_bytes, args, name, p,
+  return LaunchAndReduce<T>(kernel, grid, threads, shared_bytes, args, name, p,
                            args.u_partials, plan::NumPartialRows(p.num_tokens), stream);
 }
 
@@ -368,8 +381,15 @@ attnres_status Run(const attnres_params& p, bool backward, const Device& device,
     const bool fused = backward ? plan::ChooseLayout(p.dim, vec, plan::kBackwardShapes, &layout)
                                 : plan::ChooseLayout(p.dim, vec, plan::kForwardShapes, &layout);
     if (!fused) return GenericLaunch<T>(p, backward, device, stream);
-    return backward ? FusedBackward<T>(p, layout, device, stream)
-                    : FusedForward<T>(p, layout, device, stream);
+    // The pipelined kernels when the knob asks for them, the shape has them and
+    // every row they copy asynchronously is 16-byte aligned.
+    bool pipeline = false;
+    if (attnres_status s = PipelineKnob(backward, &pipeline); s != ATTNRES_OK) return s;
+    pipeline = pipeline && PipelinedRowsAligned(p, backward) &&
+               (backward ? plan::BackwardCanPipeline(layout.chunks)
+                         : plan::ForwardCanPipeline(layout.chunks));
+    return backward ? FusedBackward<T>(p, layout, pipeline, device, stream)
+                    : FusedForward<T>(p, layout, pipeline, device, stream);
   }
 }
 

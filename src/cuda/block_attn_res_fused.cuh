@@ -77,6 +77,7 @@ struct FusedBackwardArgs {
   int group_threads;
   int stats_floats;   // per group: plan::BackwardStatsFloats
   int weight_floats;  // wg at the start of shared memory (plan::BackwardSharesWeights), else 0
+  int ring_offset;    // pipelined kernels: where the row ring starts in shared memory, in 16 B
   float scale;
   float eps;
   bool rmsnorm;
@@ -534,51 +535,62 @@ __device__ __forceinline__ BackwardStats GroupStats(const FusedBackwardArgs& arg
   return {stats, stats + L, stats + 2 * L, stats + 3 * L, stats + 4 * L};
 }
 
-// Pass 1: ga_i = dot(g, v_i), dot(wg, v_i) and sum(v_i^2) from one read of
-// each source (ld.global.cg: keep it in L2 for pass 2), the next row loaded
-// before the current one is reduced. Lane 0 of each warp leaves the warp's sums
-// in the statistics (with one warp per group) or in its partial slots, with no
-// barrier per source: GatherSourceStats adds the warps up after the last one.
+// Source i's share of pass 1: ga_i = dot(g, v_i), dot(wg, v_i) and sum(v_i^2)
+// over this thread's chunks, summed over the warp. Lane 0 of each warp leaves
+// the warp's sums in the statistics (with one warp per group) or in its
+// partial slots, with no barrier per source: GatherSourceStats adds the warps
+// up after the last one.
+template <typename T, int kChunks>
+__device__ __forceinline__ void Pass1Source(const RowSlice<T, kChunks>& slice, const Group& g,
+                                            int i, const typename Chunk<T>::Raw (&row)[kChunks],
+                                            const typename Chunk<T>::Raw (&grad)[kChunks],
+                                            const BackwardWeights<T, kChunks>& weights,
+                                            const BackwardStats& st) {
+  using C = Chunk<T>;
+  constexpr int kVec = C::kVec;
+  float part[3] = {0.f, 0.f, 0.f};
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    float v[kVec], gv[kVec], wg[kVec];
+    C::Unpack(row[k], v);
+    C::Unpack(grad[k], gv);
+    weights.Get(slice, k, wg);
+#pragma unroll
+    for (int jj = 0; jj < kVec; ++jj) {
+      part[0] = fmaf(gv[jj], v[jj], part[0]);
+      part[1] = fmaf(wg[jj], v[jj], part[1]);
+      part[2] = fmaf(v[jj], v[jj], part[2]);
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < 3; ++q) part[q] = WarpSum(part[q]);
+  if (g.lane == 0) {
+    float* dst = g.warps == 1 ? nullptr : st.partials + (i * g.warps + g.warp) * 3;
+    if (dst == nullptr) {
+      st.ga[i] = part[0];
+      st.z[i] = part[1];
+      st.r[i] = part[2];
+    } else {
+      dst[0] = part[0];
+      dst[1] = part[1];
+      dst[2] = part[2];
+    }
+  }
+}
+
+// Pass 1 of the register kernels: one read of each source (ld.global.cg: keep
+// it in L2 for pass 2), the next row loaded before the current one is reduced.
 template <typename T, int kChunks, typename SourceRow>
 __device__ __forceinline__ void BackwardPass1(const RowSlice<T, kChunks>& slice, const Group& g,
                                               int L, const SourceRow& source_row, bool valid,
                                               const typename Chunk<T>::Raw (&grad)[kChunks],
                                               const BackwardWeights<T, kChunks>& weights,
                                               const BackwardStats& st) {
-  using C = Chunk<T>;
-  constexpr int kVec = C::kVec;
-  typename C::Raw cur[kChunks], next[kChunks];
+  typename Chunk<T>::Raw cur[kChunks], next[kChunks];
   slice.template Load<Hint::kKeepInL2>(source_row(0), valid, cur);
   for (int i = 0; i < L; ++i) {
     if (i + 1 < L) slice.template Load<Hint::kKeepInL2>(source_row(i + 1), valid, next);
-    float part[3] = {0.f, 0.f, 0.f};
-#pragma unroll
-    for (int k = 0; k < kChunks; ++k) {
-      float v[kVec], gv[kVec], wg[kVec];
-      C::Unpack(cur[k], v);
-      C::Unpack(grad[k], gv);
-      weights.Get(slice, k, wg);
-#pragma unroll
-      for (int jj = 0; jj < kVec; ++jj) {
-        part[0] = fmaf(gv[jj], v[jj], part[0]);
-        part[1] = fmaf(wg[jj], v[jj], part[1]);
-        part[2] = fmaf(v[jj], v[jj], part[2]);
-      }
-    }
-#pragma unroll
-    for (int q = 0; q < 3; ++q) part[q] = WarpSum(part[q]);
-    if (g.lane == 0) {
-      float* dst = g.warps == 1 ? nullptr : st.partials + (i * g.warps + g.warp) * 3;
-      if (dst == nullptr) {
-        st.ga[i] = part[0];
-        st.z[i] = part[1];
-        st.r[i] = part[2];
-      } else {
-        dst[0] = part[0];
-        dst[1] = part[1];
-        dst[2] = part[2];
-      }
-    }
+    Pass1Source(slice, g, i, cur, grad, weights, st);
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) cur[k] = next[k];
   }
@@ -720,12 +732,114 @@ __device__ __forceinline__ void StoreUPartialRow(const RowSlice<T, kChunks>& sli
   }
 }
 
+// The pipelined backward's rows (kStages > 0), in the order the kernel uses
+// them: for each token of each of this CTA's work items, grad_out's row, the
+// sources for pass 1 (0 to L - 1), then the sources pass 2 needs (L - 1 down).
+// Each thread's chunks of a row go by asynchronous copy into its slots of a
+// ring in shared memory (the forward's layout: slot s of chunk k of thread t
+// at ring[(s * kChunks + k) * blockDim.x + t]), kStages - 1 rows ahead of the
+// one in use, so the copies run on through the per-token statistics (barriers,
+// one thread's softmax) and from one token into the next.
+template <typename T, int kChunks, int kStages>
+struct BackwardRowStream {
+  static_assert(kStages >= 2, "a ring of at least two slots");
+  using Slice = RowSlice<T, kChunks>;
+  using Bits = typename Slice::Bits;
+  using Raw = typename Slice::Raw;
+  enum Pass { kGradOut, kPass1, kPass2 };
+
+  const FusedBackwardArgs& args;
+  const Group& g;
+  const Slice& slice;
+  uint4* ring;
+  bool want_u;
+  // The next row to fetch: token j of work item `item`, in `pass`, source i.
+  int64_t item;
+  int j = 0;
+  int pass = kGradOut;
+  int i = 0;
+  int fetch_slot = 0;
+  int take_slot = 0;
+
+  __device__ __forceinline__ BackwardRowStream(const FusedBackwardArgs& a, const Group& group,
+                                               const Slice& s, uint4* shared_ring, bool u)
+      : args(a), g(group), slice(s), ring(shared_ring), want_u(u), item(blockIdx.x) {
+#pragma unroll 1
+    for (int k = 0; k + 1 < kStages; ++k) Fetch();
+  }
+
+  // Whether pass 2 reads source i (the same answer on every thread of the CTA).
+  __device__ __forceinline__ bool Needed(int source) const {
+    return want_u || args.grads.Get(source) != nullptr;
+  }
+  __device__ __forceinline__ int NeededAtOrBelow(int source) const {
+    while (source >= 0 && !Needed(source)) --source;
+    return source;
+  }
+
+  // Starts the copy of the next row, one commit group per row; past this CTA's
+  // last row an empty group, so the count of groups per row stays uniform.
+  __device__ __forceinline__ void Fetch() {
+    if (item < args.num_items) {
+      const int64_t token =
+          plan::FirstTokenOfChunk(plan::ChunkOfItem(item, g.per_cta, g.index)) + j;
+      const bool valid = token < args.num_tokens;
+      const Bits* row =
+          pass == kGradOut
+              ? static_cast<const Bits*>(args.grad_out) + (valid ? token * args.strides.grad_out : 0)
+              : static_cast<const Bits*>(args.sources.Get(i)) +
+                    (valid ? token * args.strides.source : 0);
+      slice.LoadAsync(row, valid, ring + fetch_slot * kChunks * blockDim.x);
+      if (++fetch_slot == kStages) fetch_slot = 0;
+      if (pass == kGradOut) {
+        pass = kPass1;
+        i = 0;
+      } else if (pass == kPass1 && ++i < args.num_sources) {
+        // the next source of pass 1
+      } else {
+        i = NeededAtOrBelow(pass == kPass1 ? args.num_sources - 1 : i - 1);
+        pass = kPass2;
+        if (i < 0) {  // the token is done
+          pass = kGradOut;
+          if (++j == plan::kTokensPerRow) {
+            j = 0;
+            item += gridDim.x;
+          }
+        }
+      }
+    }
+    AsyncCommit();
+  }
+
+  // The next row in use order, into registers. The slot that Fetch refills
+  // here was read into registers one row ago.
+  __device__ __forceinline__ void Take(Raw (&row)[kChunks]) {
+    Fetch();
+    AsyncWait<kStages - 1>();
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) row[k] = ring[(take_slot * kChunks + k) * blockDim.x + threadIdx.x];
+    if (++take_slot == kStages) take_slot = 0;
+  }
+};
+
+// The register kernels load their own rows.
 template <typename T, int kChunks>
+struct BackwardRowStream<T, kChunks, 0> {
+  __device__ __forceinline__ BackwardRowStream(const FusedBackwardArgs&, const Group&,
+                                               const RowSlice<T, kChunks>&, uint4*, bool) {}
+};
+
+// kStages = 0: rows loaded into registers one ahead, any alignment. kStages > 0
+// (plan::BackwardStages; source and grad_out rows 16-byte aligned): rows from a
+// BackwardRowStream. Same arithmetic in the same order: the same bits.
+template <typename T, int kChunks, int kStages>
 __global__ void __launch_bounds__(BackwardMaxThreads(kChunks))
     FusedBackwardKernel(const __grid_constant__ FusedBackwardArgs args) {
   using Slice = RowSlice<T, kChunks>;
   using Bits = typename Slice::Bits;
-  extern __shared__ float4 shared_storage[];  // [wg,] then the groups' statistics
+  using Raw = typename Slice::Raw;
+  // [wg,] then the groups' statistics, then (kStages > 0) the row ring.
+  extern __shared__ float4 shared_storage[];
   float* shared = reinterpret_cast<float*>(shared_storage);
 
   const Group g = MakeGroup(args.group_threads);
@@ -734,6 +848,8 @@ __global__ void __launch_bounds__(BackwardMaxThreads(kChunks))
   const BackwardStats st = GroupStats(args, g, shared);
   const BackwardWeights<T, kChunks> weights(slice, args, shared);
   const bool want_u = args.u_partials != nullptr;
+  [[maybe_unused]] BackwardRowStream<T, kChunks, kStages> rows(
+      args, g, slice, reinterpret_cast<uint4*>(shared_storage) + args.ring_offset, want_u);
 
   for (int64_t item = blockIdx.x; item < args.num_items; item += gridDim.x) {
     const int64_t chunk = plan::ChunkOfItem(item, g.per_cta, g.index);
@@ -751,11 +867,20 @@ __global__ void __launch_bounds__(BackwardMaxThreads(kChunks))
       const auto source_row = [&](int i) { return static_cast<const Bits*>(args.sources.Get(i)) + row; };
       __syncthreads();  // the previous token's pass 2 is done reading the stats
 
-      typename Slice::Raw grad[kChunks];
-      slice.template Load<Hint::kStreaming>(
-          static_cast<const Bits*>(args.grad_out) + (valid ? token * args.strides.grad_out : 0),
-          valid, grad);
-      BackwardPass1(slice, g, L, source_row, valid, grad, weights, st);
+      Raw grad[kChunks];
+      if constexpr (kStages == 0) {
+        slice.template Load<Hint::kStreaming>(
+            static_cast<const Bits*>(args.grad_out) + (valid ? token * args.strides.grad_out : 0),
+            valid, grad);
+        BackwardPass1(slice, g, L, source_row, valid, grad, weights, st);
+      } else {
+        rows.Take(grad);
+        for (int i = 0; i < L; ++i) {
+          Raw cur[kChunks];
+          rows.Take(cur);
+          Pass1Source(slice, g, i, cur, grad, weights, st);
+        }
+      }
       __syncthreads();
       GatherSourceStats(args, g, L, token, valid, st);
       __syncthreads();
@@ -769,7 +894,15 @@ __global__ void __launch_bounds__(BackwardMaxThreads(kChunks))
       __syncthreads();
       KeyGradients(args, g, L, st);
       __syncthreads();
-      BackwardPass2(args, slice, L, want_u, source_row, token, valid, grad, weights, st, u);
+      if constexpr (kStages == 0) {
+        BackwardPass2(args, slice, L, want_u, source_row, token, valid, grad, weights, st, u);
+      } else {
+        for (int i = rows.NeededAtOrBelow(L - 1); i >= 0; i = rows.NeededAtOrBelow(i - 1)) {
+          Raw cur[kChunks];
+          rows.Take(cur);
+          SourceGradient(args, slice, st, i, token, valid, want_u && valid, cur, grad, weights, u);
+        }
+      }
     }
 
     if (want_u && first_token < args.num_tokens) {

@@ -79,6 +79,18 @@ constexpr size_t ForwardRingBytes(int chunks, int cta_threads) {
   return size_t{16} * ForwardStages(chunks) * chunks * cta_threads;
 }
 
+// The pipelined backward (block_attn_res_fused.cuh: BackwardRowStream) keeps
+// the same kind of ring, for the 1- and 2-chunk kernels (the 4-chunk one has
+// 64 KiB of wg in shared memory already). Its registers (the 2-chunk kernel
+// runs at its cap of 128) leave an SM 384-512 threads, so stages - 1 = 3 rows
+// ahead is 36-48 KiB in flight at D = 1536, and the copies run on through the
+// per-token statistics, where the register kernels' memory traffic stops.
+constexpr int BackwardStages(int chunks) { return chunks <= 2 ? 4 : 0; }
+constexpr bool BackwardCanPipeline(int chunks) { return BackwardStages(chunks) > 0; }
+constexpr size_t BackwardRingBytes(int chunks, int cta_threads) {
+  return size_t{16} * BackwardStages(chunks) * chunks * cta_threads;
+}
+
 // Whether the backward kernel with `chunks` per thread reads wg = w * gamma from
 // shared memory (the whole row, zero-padded to the group's chunk slots) rather
 // than keeping its elements in registers.

@@ -234,14 +234,14 @@ attnres_status GridCap(int64_t* cap) {
   return ATTNRES_OK;
 }
 
-attnres_status ForwardPipeline(bool* on) {
-  const char* text = std::getenv("ATTNRES_CUDA_FORWARD_PIPELINE");
+attnres_status PipelineKnob(bool backward, bool* on) {
+  const char* name = backward ? "ATTNRES_CUDA_BACKWARD_PIPELINE" : "ATTNRES_CUDA_FORWARD_PIPELINE";
+  const char* text = std::getenv(name);
   const std::string value = text == nullptr ? "" : text;
   *on = value == "1";
   if (value.empty() || value == "0" || value == "1") return ATTNRES_OK;
   return Fail(ATTNRES_ERROR_INVALID_ARGUMENT,
-              "attnres CUDA backend: ATTNRES_CUDA_FORWARD_PIPELINE must be 0 or 1, got '" +
-                  value + "'");
+              std::string("attnres CUDA backend: ") + name + " must be 0 or 1, got '" + value + "'");
 }
 
 attnres_status CheckKernel(const void* kernel, int threads, const std::string& name) {

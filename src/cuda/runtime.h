@@ -120,12 +120,12 @@ attnres_status FillPointerTable(const std::vector<Ptr>& ptrs, cudaStream_t strea
 // 0 when unset; a value that is not a positive integer fails the call.
 attnres_status GridCap(int64_t* cap);
 
-// ATTNRES_CUDA_FORWARD_PIPELINE (environment): "1" sends forwards whose
-// source rows are all 16-byte aligned to the pipelined kernels
-// (block_attn_res_fused.cuh, kStages > 0), "0" or unset to the register ones,
-// until a GPU run has measured which is faster (docs/CUDA.md). Both give the
-// same bits. Any other value fails the call.
-attnres_status ForwardPipeline(bool* on);
+// ATTNRES_CUDA_FORWARD_PIPELINE and ATTNRES_CUDA_BACKWARD_PIPELINE
+// (environment): "1" sends the calls of that direction whose rows are all
+// 16-byte aligned to the pipelined kernels (block_attn_res_fused.cuh, kStages >
+// 0), "0" or unset to the register ones, until a GPU run has measured which is
+// faster (docs/CUDA.md). Both give the same bits. Any other value fails the call.
+attnres_status PipelineKnob(bool backward, bool* on);
 
 // Reads the kernel's attributes: fails with the CUDA error (no kernel image for
 // this GPU's architecture, for one) or, as an internal error, when its thread

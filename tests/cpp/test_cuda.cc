@@ -98,7 +98,7 @@ std::vector<int64_t> SweepDims(attnres_dtype dtype) {
   switch (dtype) {
     case ATTNRES_DTYPE_BFLOAT16:
     case ATTNRES_DTYPE_FLOAT16:
-      return {1, 100, 1536, 4096, 4100, 8192, 8200, 16384, 16400};
+      return {1, 100, 128, 1536, 4096, 4100, 8192, 8200, 16384, 16400};
     case ATTNRES_DTYPE_FLOAT32:
       return {1, 100, 768, 1539, 4094, 4096, 4100, 8192, 8200};
     default:  // float64: the generic kernels take any row
@@ -275,6 +275,35 @@ std::vector<double> Fp32WeightGrad(const attnres::ref::Problem& p,
   return dw;
 }
 
+// Enough sweep cases have 16-byte-aligned rows on a pipelined shape for
+// CudaBackend.PipelinedKernelsGiveTheSameBits to test the pipelined kernels (a
+// case with misaligned rows takes the register kernels in both runs).
+TEST(CudaCases, SweepReachesThePipelinedKernels) {
+  std::set<std::string> forward, backward;  // dtype + shape
+  for (const SweepCase& s : SweepCases()) {
+    if (s.c.dtype == ATTNRES_DTYPE_FLOAT64) continue;
+    const auto aligned = [&](int64_t pad) { return (s.c.dim + pad) * DTypeSize(s.c.dtype) % 16 == 0; };
+    const int vec = plan::ChunkElements(static_cast<int>(DTypeSize(s.c.dtype)));
+    const std::string dtype = std::to_string(static_cast<int>(s.c.dtype));
+    plan::Layout l;
+    if (aligned(s.c.source_pad) && plan::ChooseLayout(s.c.dim, vec, plan::kForwardShapes, &l) &&
+        plan::ForwardCanPipeline(l.chunks)) {
+      forward.insert(dtype + "/" + std::to_string(l.chunks));
+    }
+    if (aligned(s.c.source_pad) && aligned(s.c.grad_out_pad) &&
+        plan::ChooseLayout(s.c.dim, vec, plan::kBackwardShapes, &l) &&
+        plan::BackwardCanPipeline(l.chunks)) {
+      backward.insert(dtype + "/" + std::to_string(l.chunks));
+    }
+  }
+  std::string seen;
+  for (const std::string& f : forward) seen += " fwd " + f;
+  for (const std::string& b : backward) seen += " bwd " + b;
+  SCOPED_TRACE("dtype/chunks reached:" + seen);
+  EXPECT_EQ(forward.size(), 9u) << "every dtype x pipelined forward shape (1, 2, 4 chunks)";
+  EXPECT_EQ(backward.size(), 6u) << "every dtype x pipelined backward shape (1, 2 chunks)";
+}
+
 TEST(CudaCases, PeakedCaseNeedsThePivot) {
   const Case c = PeakedCase();
   const attnres::ref::Problem p = MakePeakedProblem(c);
@@ -349,28 +378,34 @@ TEST(CudaBackend, SweepMatchesReferenceForAnyGrid) {
   }
 }
 
-// The pipelined forward (ATTNRES_CUDA_FORWARD_PIPELINE=1: rows through a ring
-// of asynchronous copies in shared memory) against the register kernels, on
-// the sweep: the same bits, with the grid the device chooses and with 3 CTAs
+// The pipelined kernels (ATTNRES_CUDA_FORWARD_PIPELINE=1 and
+// ATTNRES_CUDA_BACKWARD_PIPELINE=1: rows through a ring of asynchronous copies in
+// shared memory) against the register kernels, on the sweep: the same bits,
+// dw and dgamma included, with the grid the device chooses and with 3 CTAs
 // (each CTA's run-ahead then crosses from token to token many times). Cases
 // with misaligned rows take the register kernels either way.
-TEST(CudaBackend, PipelinedForwardGivesTheSameBits) {
+TEST(CudaBackend, PipelinedKernelsGiveTheSameBits) {
   ATTNRES_SKIP_WITHOUT_CUDA();
-  int pipelined = 0;
   for (const SweepCase& s : SweepCases()) {
-    SCOPED_TRACE(s.c.Describe() + " fwd " + KernelOf(s.c, false) + (s.use_caches ? " caches" : ""));
+    SCOPED_TRACE(s.c.Describe() + " fwd " + KernelOf(s.c, false) + " bwd " + KernelOf(s.c, true) +
+                 (s.use_caches ? " caches" : "") + (s.weight_grads ? " dw" : " no-dw"));
     const attnres::ref::Problem problem = MakeProblem(s.c);
+    const std::vector<double> grad_out = MakeGradOut(s.c);
+    BackwardOptions o = WithCaches(s.use_caches);
+    o.skip_w = o.skip_gamma = !s.weight_grads;
     const bool rms = s.c.rmsnorm && s.use_caches;
     AbiProblem dev(s.c, problem, ATTNRES_DEVICE_CUDA);
-    const ForwardOutput plain = dev.Forward(rms, s.use_caches);
-    ScopedEnv pipeline("ATTNRES_CUDA_FORWARD_PIPELINE", "1");
-    ExpectBitwiseEqual(plain, dev.Forward(rms, s.use_caches), "pipelined");
+    const ForwardOutput fwd = dev.Forward(rms, s.use_caches);
+    const BackwardOutput bwd = dev.Backward(grad_out, o);
+    ScopedEnv forward("ATTNRES_CUDA_FORWARD_PIPELINE", "1");
+    ScopedEnv backward("ATTNRES_CUDA_BACKWARD_PIPELINE", "1");
+    ExpectBitwiseEqual(fwd, dev.Forward(rms, s.use_caches), "pipelined");
+    ExpectBitwiseEqual(bwd, dev.Backward(grad_out, o), "pipelined");
     ScopedEnv cap("ATTNRES_CUDA_MAX_CTAS", "3");
-    ExpectBitwiseEqual(plain, dev.Forward(rms, s.use_caches), "pipelined, 3 CTAs");
-    pipelined += s.c.source_pad % 8 == 0 && KernelOf(s.c, false) != "generic";
+    ExpectBitwiseEqual(fwd, dev.Forward(rms, s.use_caches), "pipelined, 3 CTAs");
+    ExpectBitwiseEqual(bwd, dev.Backward(grad_out, o), "pipelined, 3 CTAs");
     if (::testing::Test::HasFailure()) break;
   }
-  EXPECT_GT(pipelined, 10) << "too few sweep cases with aligned rows on the fused kernels";
 }
 
 TEST(CudaBackend, PeakedCorrelatedWeightGradients) {
@@ -919,6 +954,13 @@ TEST(CudaBackend, KnobsAreValidated) {
     EXPECT_NE(std::string(attnres_last_error()).find("ATTNRES_CUDA_FORWARD_PIPELINE"),
               std::string::npos);
   }
+  const std::vector<double> grad_out = MakeGradOut(c);
+  for (const char* bad : {"true", "-1"}) {
+    ScopedEnv env("ATTNRES_CUDA_BACKWARD_PIPELINE", bad);
+    const BackwardOutput b = dev.Backward(grad_out, WithCaches(false));
+    EXPECT_EQ(b.status, ATTNRES_ERROR_INVALID_ARGUMENT) << bad;
+    EXPECT_NE(b.error.find("ATTNRES_CUDA_BACKWARD_PIPELINE"), std::string::npos) << b.error;
+  }
 }
 
 // The short list scripts/gpu_check.sh runs under compute-sanitizer (memcheck,
@@ -968,14 +1010,16 @@ TEST(CudaBackend, SanitizerCases) {
       AbiProblem dev(c, problem, ATTNRES_DEVICE_CUDA, shifted);
       const attnres::ref::ForwardResult ref_fwd = attnres::ref::Forward(problem);
       ExpectForwardClose(c, dev.Forward(c.rmsnorm, true), ref_fwd, true);
-      if (c.source_pad == 0) {  // aligned rows: the pipelined forward too
-        ScopedEnv pipeline("ATTNRES_CUDA_FORWARD_PIPELINE", "1");
-        AbiProblem aligned(c, problem, ATTNRES_DEVICE_CUDA);
-        ExpectForwardClose(c, aligned.Forward(c.rmsnorm, true), ref_fwd, true);
-      }
       const attnres::ref::BackwardResult ref = attnres::ref::Backward(problem, grad_out);
       for (bool caches : {false, true}) {
         ExpectBackwardClose(c, dev.Backward(grad_out, WithCaches(caches)), ref, WithCaches(caches));
+      }
+      if (c.source_pad == 0 && c.grad_out_pad == 0) {  // aligned rows: the pipelined kernels too
+        ScopedEnv forward("ATTNRES_CUDA_FORWARD_PIPELINE", "1");
+        ScopedEnv backward("ATTNRES_CUDA_BACKWARD_PIPELINE", "1");
+        AbiProblem aligned(c, problem, ATTNRES_DEVICE_CUDA);
+        ExpectForwardClose(c, aligned.Forward(c.rmsnorm, true), ref_fwd, true);
+        ExpectBackwardClose(c, aligned.Backward(grad_out, WithCaches(false)), ref, WithCaches(false));
       }
     }
   }

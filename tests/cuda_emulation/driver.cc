@@ -416,7 +416,14 @@ void RunBlock(const BlockCase& c, uint64_t seed) {
   };
   const int64_t rows = plan::NumPartialRows(T_);
   std::string bwd_kernel;
-  auto backward = [&](int cap, BwdOut& o) {
+  // grad_out with 16-byte-aligned rows (stride S) for the pipelined backward,
+  // which needs them; g's stride S + 3 misaligns them.
+  Mat<T> g_aligned(T_, D, S, c.mis);
+  for (int64_t t = 0; t < T_; ++t)
+    for (int64_t d = 0; d < D; ++d) g_aligned.ptr()[t * S + d] = g.ptr()[t * (S + 3) + d];
+  const bool rows_aligned = (c.mis * sizeof(BitsOf<T>)) % 16 == 0 && (S * sizeof(BitsOf<T>)) % 16 == 0;
+  bool ran_pipelined = false;
+  auto backward = [&](int cap, BwdOut& o, bool pipelined) {
     o.grads.clear();
     for (int i = 0; i < L; ++i) o.grads.emplace_back(T_, D, S + 2, c.mis);
     o.dw = Mat<T>(1, D, D, 0);
@@ -429,9 +436,11 @@ void RunBlock(const BlockCase& c, uint64_t seed) {
       plan::Layout layout;
       if (!plan::ChooseLayout(D, vec, plan::kBackwardShapes, &layout)) { Fail("no backward layout"); return; }
       const plan::StatsPlacement placement = plan::PlaceBackwardStats(L, vec, &layout);
+      const bool pipe = pipelined && plan::BackwardCanPipeline(layout.chunks);
+      ran_pipelined = pipe;
       FusedBackwardArgs a;
       FillTables<T>(L, sp, &gp, a);
-      a.w = w.ptr(); a.gamma = c.rmsnorm ? gamma.ptr() : nullptr; a.grad_out = g.ptr();
+      a.w = w.ptr(); a.gamma = c.rmsnorm ? gamma.ptr() : nullptr; a.grad_out = pipe ? g_aligned.ptr() : g.ptr();
       a.rms_cache = c.caches ? rms_cache.template at<float>() : nullptr;
       a.alpha_cache = c.caches ? alpha_cache.template at<float>() : nullptr;
       const int threads = layout.group_threads * layout.groups_per_cta;
@@ -442,22 +451,31 @@ void RunBlock(const BlockCase& c, uint64_t seed) {
       a.stats_scratch = placement.shared ? nullptr : stats.template at<float>();
       a.u_partials = c.want_dw ? o.u.template at<float>() : nullptr;
       a.num_tokens = T_; a.num_items = items;
-      a.strides = {S, 0, S + 3, S + 2};
+      a.strides = {S, 0, pipe ? S : S + 3, S + 2};
       a.dim = static_cast<int>(D); a.num_sources = L; a.group_threads = layout.group_threads;
       a.stats_floats = static_cast<int>(placement.bytes_per_group / sizeof(float));
       a.weight_floats = static_cast<int>(placement.weight_bytes / sizeof(float));
+      // As block_attn_res.cu lays it out: the ring after the statistics, 16-byte aligned.
+      const size_t ring_offset = (placement.dynamic_shared_bytes + 15) / 16;
+      a.ring_offset = static_cast<int>(ring_offset);
+      const size_t smem = pipe ? 16 * ring_offset + plan::BackwardRingBytes(layout.chunks, threads)
+                               : placement.dynamic_shared_bytes;
       a.scale = static_cast<float>(scale); a.eps = static_cast<float>(eps); a.rmsnorm = c.rmsnorm;
       auto run = [&](auto kernel) {
-        emu::Launch(dim3(grid), dim3(threads), placement.dynamic_shared_bytes, [&] { kernel(a); });
+        emu::Launch(dim3(grid), dim3(threads), smem, [&] { kernel(a); });
       };
-      if (layout.chunks == 4) run(FusedBackwardKernel<T, 4>);
-      else if (layout.chunks == 2) run(FusedBackwardKernel<T, 2>);
-      else run(FusedBackwardKernel<T, 1>);
-      snprintf(k, sizeof k, "FusedBackwardKernel<%s,%d> G=%d W=%d groups/CTA=%d stats=%s", DtypeName<T>(),
-               layout.chunks, layout.group_threads, layout.group_threads / 32, layout.groups_per_cta,
-               placement.shared ? "shared" : "global");
-      fam.covered.insert(std::string("bwd ") + DtypeName<T>() + " chunks=" + std::to_string(layout.chunks) +
-                         (layout.group_threads > 32 ? " W>1" : " W=1") + (placement.shared ? " shared" : " global"));
+      using plan::BackwardStages;
+      if (layout.chunks == 4) run(FusedBackwardKernel<T, 4, 0>);
+      else if (layout.chunks == 2 && pipe) run(FusedBackwardKernel<T, 2, BackwardStages(2)>);
+      else if (layout.chunks == 2) run(FusedBackwardKernel<T, 2, 0>);
+      else if (pipe) run(FusedBackwardKernel<T, 1, BackwardStages(1)>);
+      else run(FusedBackwardKernel<T, 1, 0>);
+      snprintf(k, sizeof k, "FusedBackwardKernel<%s,%d>%s G=%d W=%d groups/CTA=%d stats=%s", DtypeName<T>(),
+               layout.chunks, pipe ? " (pipelined)" : "", layout.group_threads, layout.group_threads / 32,
+               layout.groups_per_cta, placement.shared ? "shared" : "global");
+      fam.covered.insert(std::string("bwd ") + (pipe ? "pipelined " : "") + DtypeName<T>() + " chunks=" +
+                         std::to_string(layout.chunks) + (layout.group_threads > 32 ? " W>1" : " W=1") +
+                         (placement.shared ? " shared" : " global"));
     }
     if (!fused) {
       GenericArgs a{};
@@ -481,7 +499,7 @@ void RunBlock(const BlockCase& c, uint64_t seed) {
     }
   };
   BwdOut a, b;
-  backward(c.caps[0], a);
+  backward(c.caps[0], a, false);
   const int grid_a = g_last_grid;
   g_case = std::string(desc) + " | " + bwd_kernel + " grid cap " + std::to_string(c.caps[0]);
   for (int i = 0; i < L; ++i) {
@@ -497,15 +515,24 @@ void RunBlock(const BlockCase& c, uint64_t seed) {
     Check("dw (ReduceRowsKernel)", a.dw.Dense(), rb.grad_w, tol.grad);
     if (c.rmsnorm) Check("dgamma (ReduceRowsKernel)", a.dgamma.Dense(), rb.grad_gamma, tol.grad);
   }
-  backward(c.caps[1], b);
+  backward(c.caps[1], b, false);
   CountDeterminism(grid_a, g_last_grid);
-  const std::string caps = " (grid caps " + std::to_string(c.caps[0]) + " vs " + std::to_string(c.caps[1]) + ")";
-  for (int i = 0; i < L; ++i)
-    CheckBits("grad_source[" + std::to_string(i) + "]" + caps, a.grads[i].buf.p, b.grads[i].buf.p, a.grads[i].buf.bytes);
-  if (c.want_dw) {
-    CheckBits("dw partial rows" + caps, a.u.p, b.u.p, a.u.bytes);
-    CheckBits("dw" + caps, a.dw.buf.p, b.dw.buf.p, a.dw.buf.bytes);
-    CheckBits("dgamma" + caps, a.dgamma.buf.p, b.dgamma.buf.p, a.dgamma.buf.bytes);
+  const auto same_bits = [&](const BwdOut& x, const std::string& why, bool determinism) {
+    for (int i = 0; i < L; ++i)
+      CheckBits("grad_source[" + std::to_string(i) + "]" + why, a.grads[i].buf.p, x.grads[i].buf.p,
+                a.grads[i].buf.bytes, determinism);
+    if (c.want_dw) {
+      CheckBits("dw partial rows" + why, a.u.p, x.u.p, a.u.bytes, determinism);
+      CheckBits("dw" + why, a.dw.buf.p, x.dw.buf.p, a.dw.buf.bytes, determinism);
+      CheckBits("dgamma" + why, a.dgamma.buf.p, x.dgamma.buf.p, a.dgamma.buf.bytes, determinism);
+    }
+  };
+  same_bits(b, " (grid caps " + std::to_string(c.caps[0]) + " vs " + std::to_string(c.caps[1]) + ")", true);
+  // The pipelined backward (aligned rows), at the second grid size: the register kernel's bits.
+  if (rows_aligned && fused) {
+    BwdOut p;
+    backward(c.caps[1], p, true);
+    if (ran_pipelined) same_bits(p, " (pipelined backward, grid cap " + std::to_string(c.caps[1]) + ")", false);
   }
   if (g_verbose) printf("  ok? %d  %s\n", !g_case_failed, g_case.c_str());
 }
@@ -975,6 +1002,8 @@ int main(int argc, char** argv) {
         {7, 100, 0, 5, true, true, 0, 0, 0, true, true, {1, 3}},
         {7, 230, 0, 5, true, false, 0, 8, 0, true, true, {3, 1}},
         {5, 70, 2, 150, true, true, 0, 2, 0, true, true, {1, 2}},
+        // Aligned, every gradient null and no dw: pass 2 reads nothing at all.
+        {10, 40, 0, 3, true, false, 0, 0, 0b111, false, true, {1, 2}},
     };
     for (const BlockCase& c : cases) { EACH_TYPE(false, RunBlock<T>(c, seed)); ++seed; }
     // Global statistics: W = 4 (256 chunks: bwd 2/128) needs 64 L bytes per

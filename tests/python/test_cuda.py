@@ -131,6 +131,29 @@ def test_weight_gradients_are_bitwise_reproducible(dtype):
         assert torch.equal(a, b), f"gradient {i} differs between runs"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_pipelined_kernels_give_the_same_bits(dtype, monkeypatch):
+    """ATTNRES_CUDA_FORWARD_PIPELINE=1 / ATTNRES_CUDA_BACKWARD_PIPELINE=1 (read per call)
+    send aligned calls to the pipelined kernels: h and every gradient bit for bit as
+    the register kernels give them (on the CPU the knobs change nothing)."""
+    gen = torch.Generator().manual_seed(11)
+    D, N, T = 1536, 8, 3000
+    blocks = [randn(gen, T, D, dtype=dtype) for _ in range(N)]
+    p, w, g = randn(gen, T, D, dtype=dtype), randn(gen, D, std=0.03, dtype=dtype), \
+        (1 + 0.2 * randn(gen, D)).to(dtype)
+    grad_h = randn(gen, T, D, dtype=dtype)
+    runs = []
+    for knob in ("0", "1"):
+        monkeypatch.setenv("ATTNRES_CUDA_FORWARD_PIPELINE", knob)
+        monkeypatch.setenv("ATTNRES_CUDA_BACKWARD_PIPELINE", knob)
+        ins = leaves(*blocks, p, w, g)
+        h = block_attn_res_fn(ins[:N], ins[N], ins[N + 1], ins[N + 2])
+        h.backward(grad_h)
+        runs.append([h.detach()] + [t.grad for t in ins])
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a, b), f"output {i} (0: h) differs between the kernels"
+
+
 def test_seed_api_with_caches_matches_the_cpu():
     gen = torch.Generator().manual_seed(3)
     B, T, D, N = 2, 5, 300, 4
