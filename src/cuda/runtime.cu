@@ -263,13 +263,15 @@ attnres_status CheckKernel(const void* kernel, int threads, const std::string& n
 attnres_status AllowSharedMemory(const void* kernel, size_t dynamic_smem, const std::string& name,
                                  const Device& device, bool* fits) {
   *fits = true;
-  if (dynamic_smem <= plan::kDefaultSharedBytes) return ATTNRES_OK;
   cudaFuncAttributes attr = {};
   cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
   if (err != cudaSuccess) {
     cudaGetLastError();
     return CudaFailure("cudaFuncGetAttributes of " + name, err);
   }
+  // The 48 KiB a kernel gets without opting in are static and dynamic shared
+  // memory together: the forward's 512 B of reduction slots count too.
+  if (dynamic_smem + attr.sharedSizeBytes <= plan::kDefaultSharedBytes) return ATTNRES_OK;
   const size_t limit = device.max_shared_optin > attr.sharedSizeBytes
                            ? device.max_shared_optin - attr.sharedSizeBytes
                            : 0;

@@ -134,8 +134,8 @@ attnres_status PipelineKnob(bool backward, bool* on);
 attnres_status CheckKernel(const void* kernel, int threads, const std::string& name);
 
 // Whether `kernel` can run with `dynamic_smem` bytes of dynamic shared memory on
-// `device`: always up to the 48 KiB every kernel gets (plan::kDefaultSharedBytes);
-// above that, when the device's opt-in limit covers them next to the kernel's
+// `device`: always while it and the kernel's static shared memory stay within the
+// 48 KiB every kernel gets (plan::kDefaultSharedBytes); above that, when the device's opt-in limit covers them next to the kernel's
 // static shared memory (sm_80 and newer grant 99 KiB or more; a T4 64 KiB). Then
 // the kernel is allowed all the device grants (one value per kernel and device,
 // so concurrent calls never undo each other's setting). `fits` false: nothing

@@ -204,8 +204,6 @@ std::vector<std::vector<int64_t>> RowsAsSummed(int64_t num_tokens, int groups_pe
   return rows;
 }
 
-// What makes dw/dgamma independent of the GPU: each row's tokens, and their
-// order, are the same for every grid size, and every token is in exactly one row.
 // The pipelined forward's shared memory (wg, then the ring of row slots) for
 // every row a pipelined shape takes stays within what the launch plans without
 // falling back (plan::kOptInSharedBytes; sm_80 and newer grant more), so an
@@ -231,6 +229,8 @@ TEST(CudaPlan, PipelinedForwardSharedMemory) {
   }
 }
 
+// What makes dw/dgamma independent of the GPU: each row's tokens, and their
+// order, are the same for every grid size, and every token is in exactly one row.
 TEST(CudaPlan, PartialRowsDoNotDependOnTheGrid) {
   for (int64_t tokens : {1, 7, 8, 9, 20000, 65536 + 3}) {
     for (int groups_per_cta : {1, 2, 3, 8}) {

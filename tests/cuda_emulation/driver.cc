@@ -416,11 +416,13 @@ void RunBlock(const BlockCase& c, uint64_t seed) {
   };
   const int64_t rows = plan::NumPartialRows(T_);
   std::string bwd_kernel;
-  // grad_out with 16-byte-aligned rows (stride S) for the pipelined backward,
-  // which needs them; g's stride S + 3 misaligns them.
-  Mat<T> g_aligned(T_, D, S, c.mis);
+  // grad_out with 16-byte-aligned rows for the pipelined backward, which needs
+  // them (g's stride S + 3 misaligns them); a stride other than the sources' S,
+  // so that reading grad_out with the sources' stride shows.
+  const int64_t Sg = S + plan::ChunkElements(sizeof(BitsOf<T>));
+  Mat<T> g_aligned(T_, D, Sg, c.mis);
   for (int64_t t = 0; t < T_; ++t)
-    for (int64_t d = 0; d < D; ++d) g_aligned.ptr()[t * S + d] = g.ptr()[t * (S + 3) + d];
+    for (int64_t d = 0; d < D; ++d) g_aligned.ptr()[t * Sg + d] = g.ptr()[t * (S + 3) + d];
   const bool rows_aligned = (c.mis * sizeof(BitsOf<T>)) % 16 == 0 && (S * sizeof(BitsOf<T>)) % 16 == 0;
   bool ran_pipelined = false;
   auto backward = [&](int cap, BwdOut& o, bool pipelined) {
@@ -451,7 +453,7 @@ void RunBlock(const BlockCase& c, uint64_t seed) {
       a.stats_scratch = placement.shared ? nullptr : stats.template at<float>();
       a.u_partials = c.want_dw ? o.u.template at<float>() : nullptr;
       a.num_tokens = T_; a.num_items = items;
-      a.strides = {S, 0, pipe ? S : S + 3, S + 2};
+      a.strides = {S, 0, pipe ? Sg : S + 3, S + 2};
       a.dim = static_cast<int>(D); a.num_sources = L; a.group_threads = layout.group_threads;
       a.stats_floats = static_cast<int>(placement.bytes_per_group / sizeof(float));
       a.weight_floats = static_cast<int>(placement.weight_bytes / sizeof(float));
