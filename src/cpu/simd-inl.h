@@ -239,6 +239,18 @@ struct Row {
   }
 
   static V LoadA(const A* p) { V v; std::memcpy(&v, p, sizeof(v)); return v; }
+  // LoadA into a register that the loop then reuses: without the empty asm the
+  // compiler may fold the load into every multiply-add that uses it (one load each),
+  // undoing a kernel whose point is to load once for several multiply-adds.
+  static V LoadAOnce(const A* p) {
+    V v = LoadA(p);
+#if defined(__x86_64__)
+    __asm__("" : "+v"(v));
+#elif defined(__aarch64__)
+    __asm__("" : "+w"(v));
+#endif
+    return v;
+  }
   // x in every lane. (Not V{} + x: 0 + x is not x for x = -0, so that costs an add
   // and a register broadcast per use; x - 0 is x, and compiles to one broadcast load.)
   static V Splat(A x) { return x - V{}; }
@@ -297,14 +309,22 @@ struct Row {
   }
 
   // Lanes summed pairwise in a fixed order (a tree: 4 dependent adds for 16 lanes
-  // instead of 16, which the row loops waited on): results depend only on the ISA.
-  static A Sum(V v) {
-    A t[kLanes];
-    std::memcpy(t, &v, sizeof(v));
-    for (int64_t w = kLanes / 2; w > 0; w /= 2) {
-      for (int64_t k = 0; k < w; ++k) t[k] += t[k + w];
+  // instead of 16, which the row loops waited on): lane k gets lane k + n/2, then
+  // k + n/4, ..., so results depend only on the ISA. As vectors (the low half plus
+  // the high half, then again): written as a loop over lanes the compiler kept it
+  // scalar, 15 adds through the stack, which phase 1 paid for every block and query.
+  static A Sum(V v) { return TreeSum<sizeof(V)>(v); }
+  template <int kBytes, typename W>
+  static A TreeSum(W v) {
+    if constexpr (kBytes == sizeof(A)) {
+      return v[0];
+    } else {
+      typedef A Half __attribute__((vector_size(kBytes / 2)));
+      Half lo, hi;
+      std::memcpy(&lo, &v, sizeof(lo));
+      std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+      return TreeSum<kBytes / 2>(lo + hi);
     }
-    return t[0];
   }
 
   // Asks for the cache lines of p[0, count), count a compile-time multiple of a

@@ -57,20 +57,22 @@ struct PhaseRow : Row<T> {
   using R::Sum;
 
   // Adds the products over elements [d_begin, d_end) (as ForEachPair) to the
-  // running sums in `sums` (Q + 1 pairs of vectors of A, kept between calls):
-  // pair q, dot(rows[q], x); pair Q, sum(x^2) when kSumSq. `ahead` (or null) is
-  // asked into L2 at the same pace.
+  // running sums in `sums` (Q + 1 pairs of vectors of A, kept between calls; the
+  // call with d_begin = 0 starts them from zero): pair q, dot(rows[q], x); pair Q,
+  // sum(x^2) when kSumSq. `ahead` (or null) is asked into L2 at the same pace.
   template <int Q, bool kSumSq>
   [[gnu::noinline]] static void GroupDots(const T* x, const T* ahead, const A* const* rows,
                                           int64_t d_begin, int64_t d_end, int64_t dim, A* sums) {
-    V acc[Q][2], sq[2];
-    for (int q = 0; q < Q; ++q) {
-      acc[q][0] = LoadA(sums + 2 * q * kLanes);
-      acc[q][1] = LoadA(sums + (2 * q + 1) * kLanes);
-    }
-    if (kSumSq) {
-      sq[0] = LoadA(sums + 2 * Q * kLanes);
-      sq[1] = LoadA(sums + (2 * Q + 1) * kLanes);
+    V acc[Q][2] = {}, sq[2] = {};
+    if (d_begin != 0) {
+      for (int q = 0; q < Q; ++q) {
+        acc[q][0] = LoadA(sums + 2 * q * kLanes);
+        acc[q][1] = LoadA(sums + (2 * q + 1) * kLanes);
+      }
+      if (kSumSq) {
+        sq[0] = LoadA(sums + 2 * Q * kLanes);
+        sq[1] = LoadA(sums + (2 * Q + 1) * kLanes);
+      }
     }
     R::ForEachPair(d_begin, d_end, dim, [&](int64_t d, auto n) ATTNRES_INLINE {
       if (ahead != nullptr) R::template PrefetchSpan<kPair, 2>(ahead + d);
@@ -102,7 +104,7 @@ struct PhaseRow : Row<T> {
 
   // sum(x^2) and dot(wg, x) of one whole row.
   static void RowDots(const T* x, const A* wg, int64_t dim, A* sum_sq, A* dot) {
-    A sums[4 * kLanes] = {};
+    A sums[4 * kLanes];
     GroupDots<1, true>(x, nullptr, &wg, 0, dim, dim, sums);
     *dot = Total(sums, 0);
     *sum_sq = Total(sums, 1);
@@ -150,41 +152,80 @@ struct PhaseRow : Row<T> {
   }
 
   // dv_i = b_i v_i + sum_s (alpha_{s,i} g_s + c_{s,i} u_s) (+ dv_i when kAccumulate)
-  // for the n rows i with a gradient (dv[i] non-null); alpha and c are [S, n].
-  // Element pairs outermost: the pair of every g_s and u_s is read from L1 for
-  // every row after the first (by rows, they came from L2 once per row).
-  // kStream: every dv row is aligned for StoreStream2 (and not accumulated into).
-  template <bool kAccumulate, bool kStream>
-  [[gnu::noinline]] static void SourceGrads(T* const* dv, const T* const* v, const A* b,
-                                            const A* const* g, const A* const* u,
-                                            const A* alpha, const A* c, int64_t count, int64_t n,
-                                            int64_t dim) {
+  // for the Q block rows i0 .. i0 + Q - 1 (v, dv, b offset to i0; alpha, c are [S, n]
+  // offset to column i0; dv[j] null: row j not wanted, its sums are dropped), the
+  // rows g_s and u_s of A being `padded` apart. Runs of kGradVectors vectors
+  // outermost: every row after the first group of rows reads g_s and u_s from L1.
+  // Each run of g_s and u_s loaded serves the Q rows, with the weights broadcast
+  // from memory: 2Q + 2K loads for 2QK multiply-adds (K vectors per run: 0.5 loads
+  // per multiply-add at Q = K = 4), where one row and pair at a time took 2, and
+  // this core sustains about one vector load per cycle against two multiply-adds.
+  // kStream: every wanted dv row is aligned for StoreStream2 (and not accumulated into).
+  static constexpr int kGradVectors = kVectorBytes == 64 ? 4 : 2;
+  template <int Q, bool kAccumulate, bool kStream>
+  [[gnu::noinline]] static void GroupSourceGrads(T* const* dv, const T* const* v, const A* b,
+                                                 const A* g, const A* u, int64_t padded,
+                                                 const A* alpha, const A* c, int64_t count,
+                                                 int64_t n, int64_t dim) {
     static_assert(!(kAccumulate && kStream));
-    R::ForEachPair(0, dim, dim, [&](int64_t d, auto m) ATTNRES_INLINE {
-      for (int64_t i = 0; i < n; ++i) {
-        if (dv[i] == nullptr) continue;
-        V lo, hi;
-        R::Load2(v[i] + d, m, lo, hi);
-        const V vb = Splat(b[i]);
-        V acc0 = vb * lo, acc1 = vb * hi;
-        for (int64_t s = 0; s < count; ++s) {
-          const V va = Splat(alpha[s * n + i]), vc = Splat(c[s * n + i]);
-          acc0 += va * LoadA(g[s] + d) + vc * LoadA(u[s] + d);
-          acc1 += va * LoadA(g[s] + d + kLanes) + vc * LoadA(u[s] + d + kLanes);
+    const auto run = [&](int64_t d, auto vectors, int64_t m) ATTNRES_INLINE {
+      constexpr int K = decltype(vectors)::value;
+      V acc[Q][K];
+      for (int j = 0; j < Q; ++j) {
+        R::template LoadChunk<K>(v[j] + d, m, acc[j]);
+        const V vb = Splat(b[j]);
+        for (int k = 0; k < K; ++k) acc[j][k] *= vb;
+      }
+      for (int64_t s = 0; s < count; ++s) {
+        V gs[K], us[K];
+        for (int k = 0; k < K; ++k) {
+          gs[k] = R::LoadAOnce(g + s * padded + d + k * kLanes);
+          us[k] = R::LoadAOnce(u + s * padded + d + k * kLanes);
         }
-        if (kAccumulate) {
-          V old_lo, old_hi;
-          R::Load2(dv[i] + d, m, old_lo, old_hi);
-          acc0 += old_lo;
-          acc1 += old_hi;
-        }
-        if (kStream && m == kPair) {
-          R::StoreStream2(dv[i] + d, acc0, acc1);
-        } else {
-          R::Store2(dv[i] + d, acc0, acc1, m);
+        for (int j = 0; j < Q; ++j) {
+          const V va = Splat(alpha[s * n + j]), vc = Splat(c[s * n + j]);
+          for (int k = 0; k < K; ++k) acc[j][k] += va * gs[k];
+          for (int k = 0; k < K; ++k) acc[j][k] += vc * us[k];
         }
       }
-    });
+      for (int j = 0; j < Q; ++j) {
+        if (dv[j] == nullptr) continue;
+        if (kAccumulate) {
+          V old[K];
+          R::template LoadChunk<K>(dv[j] + d, m, old);
+          for (int k = 0; k < K; ++k) acc[j][k] += old[k];
+        }
+        R::template StoreChunk<K>(dv[j] + d, acc[j], m, kStream);
+      }
+    };
+    if constexpr (kGradVectors == R::kChunkVectors) {
+      R::ForEachChunk(0, dim, dim, run);
+    } else {
+      R::ForEachPair(0, dim, dim, [&](int64_t d, auto m) ATTNRES_INLINE {
+        run(d, std::integral_constant<int, 2>{}, m);
+      });
+    }
+  }
+
+  // GroupSourceGrads over the n rows in groups of at most kGradRows (the registers of
+  // AVX-512 hold 4 rows' sums, those of 16-register ISAs 2), as even as they go (9
+  // rows: 3 + 3 + 3, not 4 + 4 + 1: a group of one row loads twice as much per
+  // multiply-add), skipping groups with no row wanted.
+  template <bool kAccumulate, bool kStream>
+  static void SourceGrads(T* const* dv, const T* const* v, const A* b, const A* g, const A* u,
+                          int64_t padded, const A* alpha, const A* c, int64_t count, int64_t n,
+                          int64_t dim) {
+    constexpr int kGradRows = kVectorBytes == 64 ? 4 : 2;
+    for (int64_t i = 0, groups = (n + kGradRows - 1) / kGradRows; i < n; --groups) {
+      const int64_t rows = (n - i + groups - 1) / groups;
+      if (std::any_of(dv + i, dv + i + rows, [](const T* p) { return p != nullptr; })) {
+        WithGroupSize<kGradRows>(rows, [&](auto group) {
+          GroupSourceGrads<decltype(group)::value, kAccumulate, kStream>(
+              dv + i, v + i, b + i, g, u, padded, alpha + i, c + i, count, n, dim);
+        });
+      }
+      i += rows;
+    }
   }
 };
 
@@ -250,7 +291,6 @@ void Phase1Logits(const PhaseInfo& info, int64_t t, int64_t end, int64_t num_row
   for (int64_t i = 0; i < N; ++i) ws.src[i] = RowOf<T>(info.blocks[i], t, stride);
   for (int64_t k = 0; k < num_rows; k += kGroup) {
     const bool first = k == 0;
-    std::memset(ws.sums, 0, N * kPhaseGroupSumsBytes);
     WithGroupSize(std::min<int64_t>(kGroup, num_rows - k), [&](auto group) {
       constexpr int Q = decltype(group)::value;
       for (int64_t d = 0; d < dim; d += kTile) {
@@ -371,7 +411,8 @@ void Phase1Backward(const PhaseInfo& info, void* scratch, void* partials, int64_
       const auto grads = info.accumulate_grads ? R::template SourceGrads<true, false>
                          : stream             ? R::template SourceGrads<false, true>
                                               : R::template SourceGrads<false, false>;
-      grads(ws.dv, ws.src, ws.b, ws.rows + S, ws.rows, ws.a, ws.dz, S, N, dim);
+      grads(ws.dv, ws.src, ws.b, ws.g, static_cast<const A*>(info.wg), padded, ws.a, ws.dz, S,
+            N, dim);
     }
     if (partials != nullptr) R::template Mix<true>(ws.src, N, ws.weights, ws.outs, S, dim);
   }

@@ -1576,7 +1576,11 @@ TEST_F(TwoPhaseValidation, FusedUpdateRules) {
   // grad_partial_in's rows are grad_out_row_stride apart: with 2 kD its last row reaches
   // past element 4 * 2 kD, where grad_query_out now starts.
   p = P2Backward();
-  p.grad_out_row_stride = 2 * kD;  // (grad_out is read by no rejected call)
+  p.grad_out_row_stride = 2 * kD;
+  // grad_out's rows now span 2 kD each: its own buffer of that size, or the checks
+  // would find it reaching into whatever the heap put after g2_ (on aarch64, grad_gamma).
+  const Floats wide_grad_out(kT * 2 * kD, 0.5f);
+  p.grad_out = wide_grad_out.data();
   p.grad_partial_in = arena_.data();
   p.grad_query_out = arena_.data() + 4 * 2 * kD;
   ExpectRejected("grad_partial_in's rows follow grad_out_row_stride", backward, &p, ATTNRES_ERROR_OVERLAP, {"grad_query_out", "grad_partial_in"});
