@@ -17,6 +17,8 @@ echo "== attnres check on every CPU variant"
 for isa in $(./build/attnres isas); do  # those compiled in that this CPU runs
   ATTNRES_CPU_ISA=$isa ./build/attnres check --cases 200
 done
+echo "== attnres run of phase 1 (checks a slice against the reference)"
+./build/attnres run --tokens 256 --dim 2304 --blocks 9 --queries 6 --repeat 1
 echo "== aarch64 cross build, C++ tests and attnres check under qemu"
 bash scripts/test_aarch64.sh
 echo "== CUDA kernels in CPU emulation against the float64 reference"

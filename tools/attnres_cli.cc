@@ -1,7 +1,8 @@
 // The attnres command-line tool.
 //   attnres check [--cases N] [--seed S]   random cases of every option vs the reference
 //   attnres run --tokens N --dim D --blocks N [--partial] [--dtype bf16|f16|f32|f64]
-//               [--no-rmsnorm] [--threads N] [--repeat N]
+//               [--no-rmsnorm] [--threads N] [--repeat N] [--queries S]
+//                                          time one call (or phase 1 with S queries)
 //   attnres bench [--json] [...]            see bench/bench.h
 #include <algorithm>
 #include <chrono>
@@ -28,7 +29,8 @@ void Usage() {
                "  attnres check [--cases N] [--seed S]\n"
                "  attnres run --tokens N --dim D --blocks N [--partial] [--dtype bf16|f16|f32|f64]\n"
                "              [--no-rmsnorm] [--scale X] [--eps X] [--threads N] [--repeat N]\n"
-               "              [--no-check]\n"
+               "              [--no-check] [--queries S]   (S >= 1: phase 1 of the two-phase schedule,\n"
+               "              S queries over the blocks, instead of the single op)\n"
                "  attnres bench [--json] [--quick | --headline] [--no-baseline] [--threads N] [--repeat N]\n"
                "  attnres isas      (the CPU kernel variants this CPU runs, best first)\n"
                "  attnres --version\n");
@@ -153,6 +155,65 @@ int Check(Args& args) {
   return failures == 0 ? 0 : 1;
 }
 
+// The median of `repeat` timed calls after one warm-up, in milliseconds.
+template <typename Call>
+double MedianMs(int64_t repeat, Call call) {
+  std::vector<double> ms;
+  for (int64_t r = 0; r < repeat + 1; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!Ok(call(), "call")) std::exit(1);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (r > 0) ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// Times the forward and backward of `one` and checks a slice of the same shape
+// (`make_slice(tokens)`) against the float64 reference. Bytes moved are what each
+// direction must read and write once: `fwd_rows` and `bwd_rows` rows of dim
+// elements per token.
+template <typename Case, typename MakeSlice>
+int TimeAndCheck(Case& one, const char* what, double fwd_rows, double bwd_rows, int64_t repeat,
+                 bool check, MakeSlice make_slice) {
+  const CaseSpec& spec = one.spec();
+  attnres_params fwd = one.ForwardParams(), bwd = one.BackwardParams();
+  fwd.rms_cache = fwd.alpha_cache = nullptr;  // time the plain call; caches are optional
+  bwd.rms_cache = bwd.alpha_cache = nullptr;
+  const bool phase1 = fwd.num_queries > 0 && fwd.query_outs != nullptr;
+  const double fwd_ms = MedianMs(repeat, [&] { return phase1 ? attnres_phase1_forward(&fwd) : attnres_forward(&fwd); });
+  const double bwd_ms = MedianMs(repeat, [&] { return phase1 ? attnres_phase1_backward(&bwd) : attnres_backward(&bwd); });
+  const double row_bytes = double(spec.tokens) * double(spec.dim) *
+                           double(attnres::harness::ElementBytes(spec.dtype));
+  std::printf("attnres run: %s%s, isa %s, %d threads, median of %lld\n", what,
+              spec.Describe().c_str(), attnres_cpu_isa(), attnres_get_num_threads(),
+              static_cast<long long>(repeat));
+  std::printf("  forward : %9.3f ms  %7.1f GB/s  (%.1f MB moved)\n", fwd_ms,
+              fwd_rows * row_bytes / fwd_ms / 1e6, fwd_rows * row_bytes / 1e6);
+  std::printf("  backward: %9.3f ms  %7.1f GB/s  (%.1f MB moved)\n", bwd_ms,
+              bwd_rows * row_bytes / bwd_ms / 1e6, bwd_rows * row_bytes / 1e6);
+  if (!check) return 0;
+  // The float64 reference of a large case takes a while: compare a slice of it.
+  const int64_t tokens = std::min<int64_t>(
+      spec.tokens, std::max<int64_t>(1, int64_t(2000000 / (double(spec.dim) * bwd_rows))));
+  auto slice = make_slice(tokens);
+  if (!Ok(slice.Forward(), "forward") || !Ok(slice.Backward(), "backward")) return 1;
+  const attnres::harness::Errors e = slice.Compare();
+  const bool pass = e.WorstForward() <= attnres::harness::ForwardTolerance(spec.dtype) &&
+                    e.WorstBackward() <= attnres::harness::BackwardTolerance(spec.dtype);
+  char caches[64];
+  if (phase1) {
+    std::snprintf(caches, sizeof caches, "lse %.2e", e.lse);
+  } else {
+    std::snprintf(caches, sizeof caches, "alpha %.2e, rms %.2e", e.alpha, e.rms);
+  }
+  std::printf("  max error vs float64 reference (%lld tokens): out %.2e, %s | "
+              "grad sources %.2e, dw %.2e, dgamma %.2e  %s\n",
+              static_cast<long long>(tokens), e.out, caches, e.grad_sources, e.grad_w,
+              e.grad_gamma, pass ? "PASS" : "FAIL");
+  return pass ? 0 : 1;
+}
+
 int Run(Args& args) {
   CaseSpec spec;
   spec.tokens = args.Int("--tokens", 65536);
@@ -166,54 +227,40 @@ int Run(Args& args) {
   if (!attnres::harness::ParseDtype(dtype, &spec.dtype)) Args::Die("unknown dtype " + dtype);
   const int64_t threads = args.Int("--threads", 0);
   const int64_t repeat = std::max<int64_t>(1, args.Int("--repeat", 5));
+  const int64_t queries = args.Int("--queries", 0);
   const bool check = !args.Flag("--no-check");
   args.ExpectEmpty();
   if (spec.tokens < 0 || spec.dim < 1 || spec.num_sources() < 1) {
     Args::Die("need --tokens >= 0, --dim >= 1 and at least one source");
   }
+  if (queries < 0) Args::Die("need --queries >= 1 (phase 1), or 0 for the single op");
+  if (queries > 0 && (spec.partial || spec.num_blocks < 1)) {
+    Args::Die("--queries: phase 1 reads only completed blocks: need --blocks >= 1 and no --partial");
+  }
   if (threads > 0) attnres_set_num_threads(int(threads));
+  if (queries > 0) spec.backward_caches = false;  // phase 1 has none
 
-  Case one(spec);
-  attnres_params fwd = one.ForwardParams(), bwd = one.BackwardParams();
-  fwd.rms_cache = fwd.alpha_cache = nullptr;  // time the plain forward; caches are optional
-  bwd.rms_cache = bwd.alpha_cache = nullptr;
-  auto time_ms = [&](const attnres_params& p, bool backward) {
-    std::vector<double> ms;
-    for (int64_t r = 0; r < repeat + 1; ++r) {
-      const auto t0 = std::chrono::steady_clock::now();
-      if (!Ok(backward ? attnres_backward(&p) : attnres_forward(&p), "call")) std::exit(1);
-      const auto t1 = std::chrono::steady_clock::now();
-      if (r > 0) ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
+  auto with_tokens = [&](int64_t tokens) {
+    CaseSpec s = spec;
+    s.tokens = tokens;
+    return s;
   };
-  const double fwd_ms = time_ms(fwd, false);
-  const double bwd_ms = time_ms(bwd, true);
-  const double elem = double(attnres::harness::ElementBytes(spec.dtype));
-  const double T = double(spec.tokens), D = double(spec.dim), L = double(spec.num_sources());
-  const double fwd_bytes = T * D * (L + 1) * elem;          // read L rows, write 1
-  const double bwd_bytes = T * D * (L + 1 + L) * elem;      // read L + grad, write L
-  std::printf("attnres run: %s, isa %s, %d threads, median of %lld\n", spec.Describe().c_str(),
-              attnres_cpu_isa(), attnres_get_num_threads(), static_cast<long long>(repeat));
-  std::printf("  forward : %9.3f ms  %7.1f GB/s  (%.1f MB moved)\n", fwd_ms,
-              fwd_bytes / fwd_ms / 1e6, fwd_bytes / 1e6);
-  std::printf("  backward: %9.3f ms  %7.1f GB/s  (%.1f MB moved)\n", bwd_ms,
-              bwd_bytes / bwd_ms / 1e6, bwd_bytes / 1e6);
-  if (!check) return 0;
-  // The float64 reference of a large case takes a while: compare a slice of it.
-  CaseSpec small = spec;
-  small.tokens = std::min<int64_t>(spec.tokens, std::max<int64_t>(1, 2000000 / (D * L)));
-  Case slice(small);
-  if (!Ok(slice.Forward(), "forward") || !Ok(slice.Backward(), "backward")) return 1;
-  const attnres::harness::Errors e = slice.Compare();
-  const bool pass = e.WorstForward() <= attnres::harness::ForwardTolerance(spec.dtype) &&
-                    e.WorstBackward() <= attnres::harness::BackwardTolerance(spec.dtype);
-  std::printf("  max error vs float64 reference (%lld tokens): out %.2e, alpha %.2e, rms %.2e | "
-              "grad sources %.2e, dw %.2e, dgamma %.2e  %s\n",
-              static_cast<long long>(small.tokens), e.out, e.alpha, e.rms, e.grad_sources,
-              e.grad_w, e.grad_gamma, pass ? "PASS" : "FAIL");
-  return pass ? 0 : 1;
+  if (queries > 0) {
+    // Phase 1 reads N blocks and writes S outputs; its backward reads the N blocks
+    // and S output gradients and writes N block gradients.
+    const double N = double(spec.num_blocks), S = double(queries);
+    attnres::harness::Phase1Case one(spec, queries);
+    const std::string what = "phase 1, " + std::to_string(queries) + " queries, ";
+    return TimeAndCheck(one, what.c_str(), N + S, 2 * N + S, repeat, check, [&](int64_t tokens) {
+      return attnres::harness::Phase1Case(with_tokens(tokens), queries);
+    });
+  }
+  // The single op reads L sources and writes 1 row; its backward reads L sources and
+  // the output gradient and writes L source gradients.
+  const double L = double(spec.num_sources());
+  Case one(spec);
+  return TimeAndCheck(one, "", L + 1, 2 * L + 1, repeat, check,
+                      [&](int64_t tokens) { return Case(with_tokens(tokens)); });
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "backends.h"
+#include "ref/two_phase_reference.h"
 
 namespace attnres::harness {
 namespace {
@@ -71,7 +72,7 @@ std::string CaseSpec::Describe() const {
   return os.str();
 }
 
-double Errors::WorstForward() const { return std::max({out, rms, alpha}); }
+double Errors::WorstForward() const { return std::max({out, rms, alpha, lse}); }
 double Errors::WorstBackward() const { return std::max({grad_sources, grad_w, grad_gamma}); }
 
 double ForwardTolerance(attnres_dtype dtype) {
@@ -124,29 +125,61 @@ class Random {
   uint64_t state_;
 };
 
+// A [rows, stride] buffer of `dtype` whose first `cols` of each row are random
+// (the rest zero): stream `stream` of the spec's seed, so every buffer of a case
+// draws its own reproducible values.
+Bytes RandomRows(const CaseSpec& spec, uint64_t stream, attnres_dtype dtype, int64_t rows,
+                 int64_t cols, int64_t stride, double mean, double sd) {
+  Random rng(spec.seed * 1000003 + stream);
+  const int64_t elem = ElementBytes(dtype);
+  Bytes bytes(std::max<int64_t>(1, rows * stride * elem), 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      WriteElement(bytes.data() + (r * stride + c) * elem, dtype, rng.Next(mean, sd));
+    }
+  }
+  return bytes;
+}
+
+std::vector<double> Unpack(const Bytes& bytes, attnres_dtype dtype, int64_t rows, int64_t cols,
+                           int64_t stride) {
+  const int64_t elem = ElementBytes(dtype);
+  std::vector<double> values(rows * cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      values[r * cols + c] = ReadElement(bytes.data() + (r * stride + c) * elem, dtype);
+    }
+  }
+  return values;
+}
+
+// The accumulation type of a dtype's caches and lse: float64 for float64, else float32.
+attnres_dtype AccumulationType(attnres_dtype dtype) {
+  return dtype == ATTNRES_DTYPE_FLOAT64 ? ATTNRES_DTYPE_FLOAT64 : ATTNRES_DTYPE_FLOAT32;
+}
+
+// Every vector of `parts` end to end: the error of a list of tensors measured as one
+// stacked tensor, as the seed measures its stacked grad_v (a source with tiny alpha
+// has a tiny gradient that a 16-bit format cannot resolve on its own scale).
+std::vector<double> Concatenate(const std::vector<std::vector<double>>& parts) {
+  std::vector<double> all;
+  for (const auto& p : parts) all.insert(all.end(), p.begin(), p.end());
+  return all;
+}
+
 }  // namespace
 
 Case::Case(const CaseSpec& spec) : spec_(spec), stride_(spec.dim + spec.row_padding) {
   const int64_t T = spec.tokens, D = spec.dim, L = spec.num_sources();
-  const int64_t elem = ElementBytes(spec.dtype);
-  uint64_t stream = 0;  // each buffer its own reproducible stream
-  auto random_rows = [&](int64_t rows, int64_t cols, int64_t stride, double mean, double sd) {
-    Random rng(spec.seed * 1000003 + stream++);
-    Bytes bytes(std::max<int64_t>(1, rows * stride * elem), 0);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < cols; ++c) {
-        WriteElement(bytes.data() + (r * stride + c) * elem, spec.dtype, rng.Next(mean, sd));
-      }
-    }
-    return bytes;
-  };
-  for (int64_t i = 0; i < L; ++i) sources_.push_back(random_rows(T, D, stride_, 0.0, 1.0));
+  const attnres_dtype dt = spec.dtype;
+  uint64_t stream = 0;
+  for (int64_t i = 0; i < L; ++i) sources_.push_back(RandomRows(spec, stream++, dt, T, D, stride_, 0.0, 1.0));
   // |z| ~ logit_magnitude: dot(w, k) with k ~ unit-rms has sd sqrt(D) * sd(w).
-  w_ = random_rows(1, D, D, 0.0, spec.logit_magnitude / std::sqrt(double(D)));
-  gamma_ = random_rows(1, D, D, 1.0, 0.2);
-  grad_out_ = random_rows(T, D, stride_, 0.0, 1.0);
+  w_ = RandomRows(spec, stream++, dt, 1, D, D, 0.0, spec.logit_magnitude / std::sqrt(double(D)));
+  gamma_ = RandomRows(spec, stream++, dt, 1, D, D, 1.0, 0.2);
+  grad_out_ = RandomRows(spec, stream++, dt, T, D, stride_, 0.0, 1.0);
 
-  const int64_t acc = spec.dtype == ATTNRES_DTYPE_FLOAT64 ? 8 : 4;
+  const int64_t elem = ElementBytes(dt), acc = ElementBytes(AccumulationType(dt));
   const int64_t row_bytes = std::max<int64_t>(1, T * stride_ * elem);
   out_.assign(row_bytes, 0);
   for (int64_t i = 0; i < L; ++i) grad_sources_.emplace_back(row_bytes, 0);
@@ -170,22 +203,10 @@ ref::Problem Case::Problem() const {
   problem.rmsnorm = spec_.rmsnorm;
   problem.scale = spec_.scale;
   problem.eps = spec_.eps;
-  for (const auto& s : sources_) problem.sources.push_back(Unpack(s, T, D, stride_));
-  problem.w = Unpack(w_, 1, D, D);
-  problem.gamma = Unpack(gamma_, 1, D, D);
+  for (const auto& s : sources_) problem.sources.push_back(Unpack(s, spec_.dtype, T, D, stride_));
+  problem.w = Unpack(w_, spec_.dtype, 1, D, D);
+  problem.gamma = Unpack(gamma_, spec_.dtype, 1, D, D);
   return problem;
-}
-
-std::vector<double> Case::Unpack(const Bytes& bytes, int64_t rows, int64_t cols,
-                                 int64_t stride) const {
-  const int64_t elem = ElementBytes(spec_.dtype);
-  std::vector<double> values(rows * cols);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      values[r * cols + c] = ReadElement(bytes.data() + (r * stride + c) * elem, spec_.dtype);
-    }
-  }
-  return values;
 }
 
 attnres_params Case::ForwardParams() {
@@ -236,38 +257,126 @@ attnres_status Case::Backward() {
 
 Errors Case::Compare() const {
   const int64_t T = spec_.tokens, D = spec_.dim, L = spec_.num_sources();
+  const attnres_dtype dt = spec_.dtype, acc = AccumulationType(dt);
   const ref::Problem problem = Problem();
   const ref::ForwardResult fwd = ref::Forward(problem);
-  const ref::BackwardResult bwd = ref::Backward(problem, Unpack(grad_out_, T, D, stride_));
-  auto unpack_acc = [&](const Bytes& bytes) {
-    std::vector<double> v(T * L);
-    for (int64_t k = 0; k < T * L; ++k) {
-      if (spec_.dtype == ATTNRES_DTYPE_FLOAT64) {
-        std::memcpy(&v[k], bytes.data() + 8 * k, 8);
-      } else {
-        float f;
-        std::memcpy(&f, bytes.data() + 4 * k, 4);
-        v[k] = f;
-      }
-    }
-    return v;
-  };
+  const ref::BackwardResult bwd = ref::Backward(problem, Unpack(grad_out_, dt, T, D, stride_));
   Errors e;
-  e.out = RelativeError(Unpack(out_, T, D, stride_), fwd.out);
-  if (spec_.rmsnorm) e.rms = RelativeError(unpack_acc(rms_), fwd.rms);
-  e.alpha = RelativeError(unpack_acc(alpha_), fwd.alpha);
-  // The source gradients are measured as one [L, tokens, dim] tensor, as the
-  // seed's stacked grad_v is: a source with tiny alpha has a tiny gradient that a
-  // 16-bit format cannot resolve on its own scale.
-  std::vector<double> got_sources, want_sources;
-  for (int64_t i = 0; i < L; ++i) {
-    const std::vector<double> got = Unpack(grad_sources_[i], T, D, stride_);
-    got_sources.insert(got_sources.end(), got.begin(), got.end());
-    want_sources.insert(want_sources.end(), bwd.grad_sources[i].begin(), bwd.grad_sources[i].end());
+  e.out = RelativeError(Unpack(out_, dt, T, D, stride_), fwd.out);
+  if (spec_.rmsnorm) e.rms = RelativeError(Unpack(rms_, acc, 1, T * L, T * L), fwd.rms);
+  e.alpha = RelativeError(Unpack(alpha_, acc, 1, T * L, T * L), fwd.alpha);
+  std::vector<std::vector<double>> got_sources;
+  for (const auto& g : grad_sources_) got_sources.push_back(Unpack(g, dt, T, D, stride_));
+  e.grad_sources = RelativeError(Concatenate(got_sources), Concatenate(bwd.grad_sources));
+  e.grad_w = RelativeError(Unpack(grad_w_, dt, 1, D, D), bwd.grad_w);
+  if (spec_.rmsnorm) e.grad_gamma = RelativeError(Unpack(grad_gamma_, dt, 1, D, D), bwd.grad_gamma);
+  return e;
+}
+
+Phase1Case::Phase1Case(const CaseSpec& spec, int64_t queries)
+    : spec_(spec), queries_(queries), stride_(spec.dim + spec.row_padding) {
+  const int64_t T = spec.tokens, D = spec.dim, N = spec.num_blocks, S = queries;
+  const attnres_dtype dt = spec.dtype, acc = AccumulationType(dt);
+  uint64_t stream = 0;
+  for (int64_t i = 0; i < N; ++i) blocks_.push_back(RandomRows(spec, stream++, dt, T, D, stride_, 0.0, 1.0));
+  w_ = RandomRows(spec, stream++, dt, S, D, D, 0.0, spec.logit_magnitude / std::sqrt(double(D)));
+  gamma_ = RandomRows(spec, stream++, dt, S, D, D, 1.0, 0.2);
+  const int64_t row_bytes = std::max<int64_t>(1, T * stride_ * ElementBytes(dt));
+  const int64_t lse_bytes = std::max<int64_t>(1, T * ElementBytes(acc));
+  for (int64_t s = 0; s < S; ++s) {
+    grad_outs_.push_back(RandomRows(spec, stream++, dt, T, D, stride_, 0.0, 1.0));
+    grad_lses_.push_back(RandomRows(spec, stream++, acc, 1, T, T, 0.0, 1.0));
+    outs_.emplace_back(row_bytes, 0);
+    lses_.emplace_back(lse_bytes, 0);
   }
-  e.grad_sources = RelativeError(got_sources, want_sources);
-  e.grad_w = RelativeError(Unpack(grad_w_, 1, D, D), bwd.grad_w);
-  if (spec_.rmsnorm) e.grad_gamma = RelativeError(Unpack(grad_gamma_, 1, D, D), bwd.grad_gamma);
+  for (int64_t i = 0; i < N; ++i) grad_blocks_.emplace_back(row_bytes, 0);
+  grad_w_.assign(S * D * ElementBytes(dt), 0);
+  grad_gamma_.assign(S * D * ElementBytes(dt), 0);
+  for (int64_t i = 0; i < N; ++i) {
+    block_ptrs_.push_back(blocks_[i].data());
+    grad_block_ptrs_.push_back(grad_blocks_[i].data());
+  }
+  for (int64_t s = 0; s < S; ++s) {
+    out_ptrs_.push_back(outs_[s].data());
+    lse_ptrs_.push_back(lses_[s].data());
+    grad_out_ptrs_.push_back(grad_outs_[s].data());
+    grad_lse_ptrs_.push_back(grad_lses_[s].data());
+  }
+}
+
+attnres_params Phase1Case::ForwardParams() {
+  attnres_params p;
+  attnres_params_init(&p);
+  p.num_tokens = spec_.tokens;
+  p.dim = spec_.dim;
+  p.num_blocks = spec_.num_blocks;
+  p.dtype = spec_.dtype;
+  p.blocks = block_ptrs_.data();
+  p.source_row_stride = stride_;
+  p.proj_weight = w_.data();
+  p.gamma = gamma_.data();
+  p.scale = spec_.scale;
+  p.eps = spec_.eps;
+  p.rmsnorm = spec_.rmsnorm ? 1 : 0;
+  p.num_queries = queries_;
+  p.query_outs = out_ptrs_.data();
+  p.query_lses = lse_ptrs_.data();
+  p.out_row_stride = stride_;
+  return p;
+}
+
+attnres_params Phase1Case::BackwardParams() {
+  attnres_params p = ForwardParams();
+  p.query_outs = p.query_lses = nullptr;
+  p.grad_query_outs = grad_out_ptrs_.data();
+  p.grad_query_lses = grad_lse_ptrs_.data();
+  p.grad_out_row_stride = stride_;
+  p.grad_blocks = grad_block_ptrs_.data();
+  p.grad_source_row_stride = stride_;
+  p.grad_proj_weight = grad_w_.data();
+  p.grad_gamma = spec_.rmsnorm ? grad_gamma_.data() : nullptr;
+  return p;
+}
+
+attnres_status Phase1Case::Forward() {
+  const attnres_params p = ForwardParams();
+  return attnres_phase1_forward(&p);
+}
+
+attnres_status Phase1Case::Backward() {
+  const attnres_params p = BackwardParams();
+  return attnres_phase1_backward(&p);
+}
+
+Errors Phase1Case::Compare() const {
+  const int64_t T = spec_.tokens, D = spec_.dim, S = queries_;
+  const attnres_dtype dt = spec_.dtype, acc = AccumulationType(dt);
+  ref::Phase1Problem problem;
+  problem.tokens = T;
+  problem.dim = D;
+  problem.num_queries = S;
+  problem.rmsnorm = spec_.rmsnorm;
+  problem.scale = spec_.scale;
+  problem.eps = spec_.eps;
+  for (const auto& b : blocks_) problem.blocks.push_back(Unpack(b, dt, T, D, stride_));
+  problem.w = Unpack(w_, dt, S, D, D);
+  problem.gamma = Unpack(gamma_, dt, S, D, D);
+  std::vector<std::vector<double>> grad_outs, grad_lses, outs, lses, grad_blocks;
+  for (int64_t s = 0; s < S; ++s) {
+    grad_outs.push_back(Unpack(grad_outs_[s], dt, T, D, stride_));
+    grad_lses.push_back(Unpack(grad_lses_[s], acc, 1, T, T));
+    outs.push_back(Unpack(outs_[s], dt, T, D, stride_));
+    lses.push_back(Unpack(lses_[s], acc, 1, T, T));
+  }
+  for (const auto& g : grad_blocks_) grad_blocks.push_back(Unpack(g, dt, T, D, stride_));
+  const ref::Phase1ForwardResult fwd = ref::Phase1Forward(problem);
+  const ref::Phase1BackwardResult bwd = ref::Phase1Backward(problem, grad_outs, grad_lses);
+  Errors e;
+  e.out = RelativeError(Concatenate(outs), Concatenate(fwd.outs));
+  e.lse = RelativeError(Concatenate(lses), Concatenate(fwd.lses));
+  e.grad_sources = RelativeError(Concatenate(grad_blocks), Concatenate(bwd.grad_blocks));
+  e.grad_w = RelativeError(Unpack(grad_w_, dt, S, D, D), bwd.grad_w);
+  if (spec_.rmsnorm) e.grad_gamma = RelativeError(Unpack(grad_gamma_, dt, S, D, D), bwd.grad_gamma);
   return e;
 }
 

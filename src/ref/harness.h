@@ -34,9 +34,10 @@ struct CaseSpec {
   std::string Describe() const;
 };
 
-// Max error relative to the max-abs of the reference tensor, per output.
+// Max error relative to the max-abs of the reference tensor, per output (a phase 1
+// case fills lse where the single op fills rms and alpha).
 struct Errors {
-  double out = 0, rms = 0, alpha = 0, grad_sources = 0, grad_w = 0, grad_gamma = 0;
+  double out = 0, rms = 0, alpha = 0, lse = 0, grad_sources = 0, grad_w = 0, grad_gamma = 0;
   double WorstForward() const;
   double WorstBackward() const;
 };
@@ -84,9 +85,6 @@ class Case {
   Errors Compare() const;  // runs the reference; call after Forward() and Backward()
 
  private:
-  std::vector<double> Unpack(const Bytes& bytes, int64_t rows, int64_t cols,
-                             int64_t stride) const;
-
   CaseSpec spec_;
   int64_t stride_;
   std::vector<Bytes> sources_, grad_sources_;
@@ -94,6 +92,32 @@ class Case {
   Bytes rms_, alpha_;  // accumulation type
   std::vector<const void*> block_ptrs_;
   std::vector<void*> grad_block_ptrs_;
+};
+
+// Phase 1 of the two-phase schedule (SPEC §5): `queries` rows of w and gamma over
+// the spec's blocks (spec.partial unused: phase 1 reads only completed blocks). The
+// backward is given a random gradient for every query's output and lse.
+class Phase1Case {
+ public:
+  Phase1Case(const CaseSpec& spec, int64_t queries);
+
+  const CaseSpec& spec() const { return spec_; }
+  int64_t queries() const { return queries_; }
+
+  attnres_status Forward();   // writes every query's output and lse
+  attnres_status Backward();  // writes the block gradients, dw and dgamma
+  attnres_params ForwardParams();
+  attnres_params BackwardParams();
+
+  Errors Compare() const;  // runs the reference; call after Forward() and Backward()
+
+ private:
+  CaseSpec spec_;
+  int64_t queries_, stride_;
+  std::vector<Bytes> blocks_, grad_blocks_, outs_, lses_, grad_outs_, grad_lses_;
+  Bytes w_, gamma_, grad_w_, grad_gamma_;
+  std::vector<const void*> block_ptrs_, grad_out_ptrs_, grad_lse_ptrs_;
+  std::vector<void*> grad_block_ptrs_, out_ptrs_, lse_ptrs_;
 };
 
 }  // namespace attnres::harness

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "attnres/attnres.h"
+#include "ref/harness.h"
 #include "ref/reference.h"
 #include "ref/two_phase_reference.h"
 #include "test_util.h"
@@ -1584,6 +1585,43 @@ TEST_F(TwoPhaseValidation, FusedUpdateRules) {
   p.grad_partial_in = arena_.data();
   p.grad_query_out = arena_.data() + 4 * 2 * kD;
   ExpectRejected("grad_partial_in's rows follow grad_out_row_stride", backward, &p, ATTNRES_ERROR_OVERLAP, {"grad_query_out", "grad_partial_in"});
+}
+
+// The harness behind `attnres run --queries S` (src/ref/harness.h): its phase 1 case
+// passes on every dtype, and its comparison notices one wrong element of an output,
+// of an lse and of a block gradient (so the tool's PASS can fail).
+TEST(HarnessPhase1Case, MatchesTheReferenceAndNoticesAWrongElement) {
+  for (attnres_dtype dtype : {ATTNRES_DTYPE_FLOAT32, ATTNRES_DTYPE_FLOAT64,
+                              ATTNRES_DTYPE_BFLOAT16, ATTNRES_DTYPE_FLOAT16}) {
+    attnres::harness::CaseSpec spec;
+    spec.dtype = dtype;
+    spec.tokens = 13;
+    spec.dim = 67;
+    spec.num_blocks = 5;
+    spec.partial = false;
+    spec.row_padding = 3;
+    attnres::harness::Phase1Case one(spec, 3);
+    ASSERT_EQ(one.Forward(), ATTNRES_OK) << attnres_last_error();
+    ASSERT_EQ(one.Backward(), ATTNRES_OK) << attnres_last_error();
+    const attnres::harness::Errors e = one.Compare();
+    EXPECT_LE(e.WorstForward(), attnres::harness::ForwardTolerance(dtype)) << DTypeName(dtype);
+    EXPECT_LE(e.WorstBackward(), attnres::harness::BackwardTolerance(dtype)) << DTypeName(dtype);
+
+    const int64_t elem = attnres::harness::ElementBytes(dtype);
+    const attnres_params fwd = one.ForwardParams(), bwd = one.BackwardParams();
+    // Flip the top byte of one element: its sign bit, and part of its exponent.
+    auto corrupt = [](void* base, int64_t offset_bytes, int64_t elem_bytes) {
+      static_cast<unsigned char*>(base)[offset_bytes + elem_bytes - 1] ^= 0xC0;
+    };
+    corrupt(fwd.query_outs[2], (7 * (spec.dim + spec.row_padding) + 11) * elem, elem);
+    EXPECT_GT(one.Compare().out, attnres::harness::ForwardTolerance(dtype)) << DTypeName(dtype);
+    const int64_t acc = dtype == ATTNRES_DTYPE_FLOAT64 ? 8 : 4;
+    corrupt(fwd.query_lses[1], 4 * acc, acc);
+    EXPECT_GT(one.Compare().lse, attnres::harness::ForwardTolerance(dtype)) << DTypeName(dtype);
+    corrupt(bwd.grad_blocks[4], (12 * (spec.dim + spec.row_padding) + 66) * elem, elem);
+    EXPECT_GT(one.Compare().grad_sources, attnres::harness::BackwardTolerance(dtype))
+        << DTypeName(dtype);
+  }
 }
 
 }  // namespace
