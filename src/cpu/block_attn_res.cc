@@ -136,19 +136,6 @@ struct Stats {
   }
 };
 
-// Pass 1 reads source 0's rows of the tile, then source 1's, and so on. NextRow
-// is the row read after row j (of the tile starting at `begin`) of source i: the
-// next row of the run, else the first row of the next source's run, else
-// `after_last`.
-template <typename T>
-const T* NextRow(const CallInfo& info, int64_t i, int64_t j, int64_t begin, int64_t end,
-                 const T* after_last) {
-  const int64_t stride = info.source_row_stride;
-  if (begin + j + 1 < end) return static_cast<const T*>(info.sources[i]) + (begin + j + 1) * stride;
-  if (i + 1 < info.num_sources) return static_cast<const T*>(info.sources[i + 1]) + begin * stride;
-  return after_last;
-}
-
 // The first row of this thread's next tile under the static schedule (this tile's
 // own when it is the last): what pass 1 prefetches after its last row.
 template <typename T>
@@ -176,20 +163,34 @@ void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin
   const A* wg = static_cast<const A*>(info.wg);
   Stats<A> st(scratch.stats, info.tile_tokens, L);
 
-  // Pass 1: the logits.
+  // Pass 1: the logits, row by row in source-major order (row r: source r / n,
+  // token r % n), two rows per Dots call (they share its loads of wg).
   const T* after_last = NextTileRow<T>(info, begin, end);
-  for (int64_t i = 0; i < L; ++i) {
-    const T* src = static_cast<const T*>(info.sources[i]) + begin * info.source_row_stride;
-    for (int64_t j = 0; j < n; ++j) {
-      const T* x = src + j * info.source_row_stride;
-      A sum_sq = 0, dot = 0;
-      R::template Dots<kRmsNorm, false>(x, NextRow(info, i, j, begin, end, after_last), nullptr, wg,
-                                        nullptr, dim, &sum_sq, &dot, nullptr);
-      const A rms = kRmsNorm ? math::Rms(sum_sq, dim, eps) : A(1);
-      st.z[j * L + i] = scale * (dot / rms);
+  const int64_t rows = L * n;
+  const auto row = [&](int64_t r) {
+    return r < rows ? static_cast<const T*>(info.sources[r / n]) + (begin + r % n) * info.source_row_stride
+                    : after_last;
+  };
+  const auto logits = [&](int64_t r, auto row_count) {
+    constexpr int kRows = decltype(row_count)::value;
+    const T* x[kRows];
+    const T* next[kRows];  // each row prefetches the row kRows after it
+    for (int q = 0; q < kRows; ++q) {
+      x[q] = row(r + q);
+      next[q] = row(r + kRows + q);
+    }
+    A sum_sq[kRows] = {}, dot[kRows];
+    R::template Dots<kRows, kRmsNorm, false>(x, next, nullptr, wg, nullptr, dim, sum_sq, dot, nullptr);
+    for (int q = 0; q < kRows; ++q) {
+      const int64_t i = (r + q) / n, j = (r + q) % n;
+      const A rms = kRmsNorm ? math::Rms(sum_sq[q], dim, eps) : A(1);
+      st.z[j * L + i] = scale * (dot[q] / rms);
       st.r[j * L + i] = rms;
     }
-  }
+  };
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) logits(r, std::integral_constant<int, 2>{});
+  if (r < rows) logits(r, std::integral_constant<int, 1>{});
 
   // Softmax, caches, and pass 2: the weighted sum, token by token.
   T* out = static_cast<T*>(info.out);
@@ -325,9 +326,9 @@ class BackwardPipeline {
     const bool need_sum_sq = kRmsNorm && rms_cache_ == nullptr;
     A sum_sq = 0, dot_wg = 0, dot_g = 0;
     if (need_sum_sq) {
-      R::template Dots<true, true>(x, next, ahead, wg_, g, dim_, &sum_sq, &dot_wg, &dot_g);
+      R::template Dots<1, true, true>(&x, &next, ahead, wg_, g, dim_, &sum_sq, &dot_wg, &dot_g);
     } else {
-      R::template Dots<false, true>(x, next, ahead, wg_, g, dim_, nullptr, &dot_wg, &dot_g);
+      R::template Dots<1, false, true>(&x, &next, ahead, wg_, g, dim_, nullptr, &dot_wg, &dot_g);
     }
     A rms = 1;
     if (kRmsNorm) {

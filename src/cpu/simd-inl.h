@@ -350,46 +350,62 @@ struct Row {
     for (int64_t e = 0; e < kCount; e += kLineElems) __builtin_prefetch(p + e, 0, kLocality);
   }
 
-  // One read of x: sum(x^2) (if kSumSq), dot(wg, x), and dot(g, x) (if kDotG),
-  // prefetching `next`, the row the caller reads after this one, at the same pace,
-  // into L1, and `ahead` (a row read a tile or two later, or null) into L2.
+  // One read of each of the kRows rows x[r]: sum(x^2) (if kSumSq), dot(wg, x), and
+  // dot(g, x) (if kDotG), prefetching next[r], the row the caller reads after it, at
+  // the same pace, into L1, and `ahead` (a row read a tile or two later, or null)
+  // into L2. Each row's sums are those of a one-row call, bit for bit; two rows at
+  // once share every load of wg (and g).
   // The hardware prefetchers alone leave too few lines in flight once a loop does
   // more than load (in a standalone test, 0.7-0.9 of a plain sum's bandwidth, and
   // 0.98 with this prefetch); one row ahead (1.5-16 KB) covers the latency.
   // The row functions are not inlined: inside the tile loops the compiler ran out
   // of registers and kept accumulators on the stack, a store-to-load chain per
   // iteration that cost ~3x. One call per row of D elements is free in comparison.
-  template <bool kSumSq, bool kDotG>
-  [[gnu::noinline]] static void Dots(const T* x, const T* next, const T* ahead, const A* wg,
-                                     const A* g, int64_t dim, A* sum_sq, A* dot_wg, A* dot_g) {
+  template <int kRows, bool kSumSq, bool kDotG>
+  [[gnu::noinline]] static void Dots(const T* const* x, const T* const* next, const T* ahead,
+                                     const A* wg, const A* g, int64_t dim, A* sum_sq, A* dot_wg,
+                                     A* dot_g) {
     // Independent accumulators, so that no FMA waits for the one before it: one
     // per vector of an iteration where there are registers for them (two chained
     // FMAs per accumulator and iteration had made the loop latency-bound).
     constexpr int kAcc = kVectorBytes == 64 ? 4 : 2;
-    V sq[kAcc] = {}, w[kAcc] = {}, gx[kAcc] = {};
-    auto add = [&](int a, int64_t d, V x0, V x1) {
-      w[a] += x0 * LoadA(wg + d);
-      w[a + 1] += x1 * LoadA(wg + d + kLanes);
-      if (kSumSq) { sq[a] += x0 * x0; sq[a + 1] += x1 * x1; }
-      if (kDotG) { gx[a] += x0 * LoadA(g + d); gx[a + 1] += x1 * LoadA(g + d + kLanes); }
+    V sq[kRows][kAcc] = {}, w[kRows][kAcc] = {}, gx[kRows][kAcc] = {};
+    // With several rows, one load of wg (g) into a register for all of them; with one,
+    // the load folded into its multiply-add.
+    const auto load = [](const A* p) { return kRows > 1 ? LoadAOnce(p) : LoadA(p); };
+    auto add = [&](int a, int64_t d, const V (&x0)[kRows], const V (&x1)[kRows]) {
+      const V wg0 = load(wg + d), wg1 = load(wg + d + kLanes);
+      for (int r = 0; r < kRows; ++r) {
+        w[r][a] += x0[r] * wg0;
+        w[r][a + 1] += x1[r] * wg1;
+        if (kSumSq) { sq[r][a] += x0[r] * x0[r]; sq[r][a + 1] += x1[r] * x1[r]; }
+      }
+      if (kDotG) {
+        const V g0 = load(g + d), g1 = load(g + d + kLanes);
+        for (int r = 0; r < kRows; ++r) { gx[r][a] += x0[r] * g0; gx[r][a + 1] += x1[r] * g1; }
+      }
     };
     int64_t d = 0;
     // Four vectors per iteration (a whole line of bf16 on AVX2): fewer loop and
     // prefetch-test instructions per byte.
     for (; d + 4 * kLanes <= dim; d += 4 * kLanes) {
-      PrefetchSpan<4 * kLanes>(next + d);
+      V x0[kRows], x1[kRows], x2[kRows], x3[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        PrefetchSpan<4 * kLanes>(next[r] + d);
+        E::Load2(x[r] + d, x0[r], x1[r]);
+      }
       if (ahead != nullptr) PrefetchSpan<4 * kLanes, 2>(ahead + d);
-      V x0, x1, x2, x3;
-      E::Load2(x + d, x0, x1);
-      E::Load2(x + d + 2 * kLanes, x2, x3);
       add(0, d, x0, x1);
+      for (int r = 0; r < kRows; ++r) E::Load2(x[r] + d + 2 * kLanes, x2[r], x3[r]);
       add(kAcc - 2, d + 2 * kLanes, x2, x3);
     }
     for (; d < dim; d += kPair) {  // the last pair, whole or short
-      PrefetchSpan<kPair>(next + d);
+      V x0[kRows], x1[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        PrefetchSpan<kPair>(next[r] + d);
+        Load2(x[r] + d, dim - d, x0[r], x1[r]);
+      }
       if (ahead != nullptr) PrefetchSpan<kPair, 2>(ahead + d);
-      V x0, x1;
-      Load2(x + d, dim - d, x0, x1);
       add(0, d, x0, x1);
     }
     const auto total = [](const V (&acc)[kAcc]) {
@@ -397,9 +413,11 @@ struct Row {
       for (int a = 1; a < kAcc; ++a) t += acc[a];
       return Sum(t);
     };
-    *dot_wg = total(w);
-    if (kSumSq) *sum_sq = total(sq);
-    if (kDotG) *dot_g = total(gx);
+    for (int r = 0; r < kRows; ++r) {
+      dot_wg[r] = total(w[r]);
+      if (kSumSq) sum_sq[r] = total(sq[r]);
+      if (kDotG) dot_g[r] = total(gx[r]);
+    }
   }
 
   static void Widen(A* dst, const T* src, int64_t dim) {
