@@ -352,9 +352,9 @@ struct Row {
 
   // One read of each of the kRows rows x[r]: sum(x^2) (if kSumSq), dot(wg, x), and
   // dot(g, x) (if kDotG), prefetching next[r], the row the caller reads after it, at
-  // the same pace, into L1, and `ahead` (a row read a tile or two later, or null)
-  // into L2. Each row's sums are those of a one-row call, bit for bit; two rows at
-  // once share every load of wg (and g).
+  // the same pace, into L1, and `ahead` (one-row calls: a row read a tile or two
+  // later, or null) into L2. Each row's sums are those of a one-row call, bit for
+  // bit; two rows at once share every load of wg (and g).
   // The hardware prefetchers alone leave too few lines in flight once a loop does
   // more than load (in a standalone test, 0.7-0.9 of a plain sum's bandwidth, and
   // 0.98 with this prefetch); one row ahead (1.5-16 KB) covers the latency.
