@@ -25,7 +25,8 @@ Schedules, equal within the tolerances of docs/DESIGN.md:
   blocks for all of that block's queries in one read of the blocks (the final query
   joins the last block's when no block is completed in between); each sub-layer then
   runs phase 2, which merges that result with the partial block. Each completed block
-  is read once per block of sub-layers, and its gradient is formed once per block.
+  is read once per block of sub-layers, and its gradient is formed once per block
+  (the later blocks' shares summed in phase 1's kernels, not by autograd).
   Inside a block, ``add(out)`` only holds ``out``: the next phase 2 adds it into the
   partial block in its own pass (``update=``), so the sum makes no separate trip
   through memory; the block's last ``add`` adds as usual (the sum becomes a block).
@@ -47,7 +48,7 @@ from torch import Tensor, nn
 
 from . import _validate
 from .functional import block_attn_res_fn
-from .two_phase import block_attn_res_phase1, block_attn_res_phase2
+from .two_phase import BlockGradSums, block_attn_res_phase2, phase1_in_stream
 
 __all__ = ["BlockAttnResStream"]
 
@@ -134,6 +135,10 @@ class Stream:
         self._awaiting_add = False  # next_input() was called, add() was not
         self._finished = False
         self._phase1: Optional[tuple] = None  # (first query, outs, lses) of this block
+        # The blocks' gradients, summed across phase 1 calls in their kernels, and the
+        # token that orders those calls' backward (two_phase.BlockGradSums).
+        self._grad_sums = BlockGradSums()
+        self._phase1_token: Optional[Tensor] = None
         # The parameters in the stream's dtype (differentiably) and split into rows, made
         # at the first mix: one cast and one unbind per pass instead of an index and a
         # cast per query (whose backward would also write a zero-padded copy of the whole
@@ -252,7 +257,8 @@ class Stream:
         w, gamma, _ = self._cast()
         w = w[j:last]
         gamma = gamma[j:last] if gamma is not None else None
-        outs, lses = block_attn_res_phase1(self._blocks, w, gamma, eps=m.eps, scale=m.scale,
-                                           rmsnorm=m.rmsnorm)
+        outs, lses, self._phase1_token = phase1_in_stream(
+            self._blocks, w, gamma, self._grad_sums, self._phase1_token, eps=m.eps,
+            scale=m.scale, rmsnorm=m.rmsnorm)
         self._phase1 = (j, outs, lses)
         return self._phase1

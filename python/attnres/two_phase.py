@@ -23,7 +23,8 @@ Ops in the ``attnres`` namespace: ``phase1`` / ``phase1_backward``, ``phase2`` /
 over ``p'`` with the gradient ``p'`` receives elsewhere added in). Phase 1 returns
 *lists* of S outputs and S LSEs, so that each sub-layer's gradient lands on its own
 tensor; its backward takes all S gradients at once (a missing one is zero), reads each
-block once and writes each block's gradient once. What autograd saves: the blocks,
+block once and writes each block's gradient once (in a stream, adding into the block's
+running sum over the stream's phase 1 calls: BlockGradSums). What autograd saves: the blocks,
 ``w`` and ``gamma`` by reference (phase 1); ``o_s``, ``lse_s``, ``p`` (``p'`` with the
 update) and the weights (phase 2). Nothing is recomputed twice in
 memory: the backward kernels recompute logits in the pass that reads the rows anyway.
@@ -62,7 +63,7 @@ _phase1_backward_call = _native.entry_call(
     "attnres_phase1_backward",
     _COMMON + ("num_blocks", "source_row_stride", "proj_weight", "gamma", "num_queries",
                "grad_out_row_stride", "grad_source_row_stride", "grad_proj_weight",
-               "grad_gamma"),
+               "grad_gamma", "accumulate_grads"),
     ("blocks", "grad_query_outs", "grad_query_lses", "grad_blocks"))
 _phase2_forward_call = _native.entry_call(
     "attnres_phase2_forward",
@@ -120,8 +121,12 @@ def phase1_backward(grad_outs: Sequence[Optional[Tensor]], grad_lses: Sequence[O
                     blocks: Sequence[Tensor], w: Tensor, gamma: Optional[Tensor], *, eps: float,
                     scale: float, rmsnorm: bool, need_blocks: Optional[Sequence[bool]] = None,
                     need_w: bool = True, need_gamma: bool = True,
-                    function: str = _PHASE1 + " (backward)", _validated: bool = False):
-    """(grad_blocks: list of N (tensor or None), grad_w [S, D] or None, grad_gamma or None)."""
+                    function: str = _PHASE1 + " (backward)", _validated: bool = False,
+                    _accumulate_into: Optional[Sequence[Optional[Tensor]]] = None):
+    """(grad_blocks: list of N (tensor or None), grad_w [S, D] or None, grad_gamma or None).
+    `_accumulate_into`: N contiguous tensors like the blocks (None where a block's
+    gradient is not needed), to which the kernel adds the block gradients (rounding once)
+    and which it returns as grad_blocks."""
     if _validated:
         blocks, dim, num_queries = list(blocks), blocks[0].shape[-1], w.shape[0]
     else:
@@ -145,7 +150,11 @@ def phase1_backward(grad_outs: Sequence[Optional[Tensor]], grad_lses: Sequence[O
                                   f"shape {tuple(g.shape)}")
     need_blocks = [True] * len(blocks) if need_blocks is None else list(need_blocks)
     nbytes = tokens * dim * _native._ELEMENT_BYTES[first.dtype]
-    grad_blocks = [_native._new_output(first, nbytes) if need else None for need in need_blocks]
+    if _accumulate_into is None:
+        grad_blocks = [_native._new_output(first, nbytes) if need else None
+                       for need in need_blocks]
+    else:
+        grad_blocks = [g if need else None for g, need in zip(_accumulate_into, need_blocks)]
     gamma = gamma if rmsnorm else None
     grad_w = w.new_empty(w.shape) if need_w else None
     grad_gamma = w.new_empty(w.shape) if need_gamma and gamma is not None else None
@@ -159,9 +168,9 @@ def phase1_backward(grad_outs: Sequence[Optional[Tensor]], grad_lses: Sequence[O
     _phase1_backward_call(
         first, tokens, dim, _native._DTYPES[first.dtype], device, stream, scale, eps,
         1 if rmsnorm else 0, len(blocks), stride, w.data_ptr(), _ptr(gamma), num_queries, dim,
-        dim, _ptr(grad_w), _ptr(grad_gamma), [b.data_ptr() for b in blocks],
-        [_ptr(g) for g in grad_outs], [_ptr(g) for g in grad_lses],
-        [_ptr(g) for g in grad_blocks])
+        dim, _ptr(grad_w), _ptr(grad_gamma), 0 if _accumulate_into is None else 1,
+        [b.data_ptr() for b in blocks], [_ptr(g) for g in grad_outs],
+        [_ptr(g) for g in grad_lses], [_ptr(g) for g in grad_blocks])
     return grad_blocks, grad_w, grad_gamma
 
 
@@ -494,36 +503,99 @@ class Phase1Function(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, meta, *tensors):
-        n, _, eps, scale, rmsnorm = meta
+        n, _, eps, scale, rmsnorm = meta[:5]
         ctx.meta = meta
-        ctx.save_for_backward(*tensors)  # by reference, as _phase1_setup_context
+        ctx.save_for_backward(*tensors[:n + 2])  # by reference, as _phase1_setup_context
         outs, lses = phase1_forward(tensors[:n], tensors[n], tensors[n + 1], eps=eps,
                                     scale=scale, rmsnorm=rmsnorm, _validated=True)
         return (*outs, *lses)
 
     @staticmethod
     def backward(ctx, *grads):
-        n, num_queries, eps, scale, rmsnorm = ctx.meta
-        saved = ctx.saved_tensors
-        blocks, (w, gamma) = list(saved[:n]), saved[n:]
+        grad_blocks, grad_w, grad_gamma = _phase1_function_grads(ctx, grads)
+        return (None, *grad_blocks, grad_w, grad_gamma)
+
+
+def _phase1_function_grads(ctx, grads, into=None):
+    """(grad_blocks, grad_w, grad_gamma) of a Phase1Function, the block gradients added
+    to `into` (as phase1_backward's _accumulate_into) when given."""
+    n, num_queries, eps, scale, rmsnorm = ctx.meta[:5]
+    saved = ctx.saved_tensors
+    blocks, (w, gamma) = list(saved[:n]), saved[n:]
+    needs = ctx.needs_input_grad
+    need_blocks = list(needs[1:n + 1])
+    need_w = needs[n + 1]
+    need_gamma = needs[n + 2] and gamma is not None
+    grad_outs, grad_lses = list(grads[:num_queries]), list(grads[num_queries:2 * num_queries])
+    if _native.eager() and not _grad_enabled():  # create_graph=False
+        return phase1_backward(grad_outs, grad_lses, blocks, w, gamma, eps=eps, scale=scale,
+                               rmsnorm=rmsnorm, need_blocks=need_blocks, need_w=need_w,
+                               need_gamma=need_gamma, _validated=True, _accumulate_into=into)
+    # Traced (compiled autograd), or create_graph=True: the backward op, as
+    # _phase1_grad does (which refuses a double backward as the op does).
+    result = iter(torch.ops.attnres.phase1_backward(
+        grad_outs, grad_lses, blocks, w, gamma, eps, scale, rmsnorm, need_blocks, need_w,
+        need_gamma))
+    grad_blocks = [next(result) if need else None for need in need_blocks]
+    if into is not None:
+        grad_blocks = [g if g is None else a + g for a, g in zip(into, grad_blocks)]
+    return grad_blocks, next(result) if need_w else None, next(result) if need_gamma else None
+
+
+class BlockGradSums:
+    """The gradients of a stream's completed blocks, summed inside phase 1's backward.
+
+    A stream's phase 1 at each block start reads every block completed so far, so a
+    block's gradient is the sum of one share per later block start. Left to autograd,
+    each share is a new tensor and each sum a separate pass of torch's add (two reads
+    and a write of the block). Instead, the phase 1 calls of one stream (Phase1InStream)
+    keep a running sum per block here, and each call's kernel adds its shares into them
+    (accumulate_grads: one more read per block, in the pass that reads the block
+    anyway); the block's first reader in the forward, the last to run backward, hands
+    the sum to autograd. A token output of each call, input of the next, makes that
+    order certain and tells a call whether the next one ran in the same backward pass
+    (if not, what is held here is stale and dropped)."""
+
+    __slots__ = ("sums", "claimed")
+
+    def __init__(self) -> None:
+        self.sums: dict = {}  # block index -> its gradient summed so far, in this backward
+        self.claimed = 0      # blocks [0, claimed) have had their first reader
+
+
+class Phase1InStream(torch.autograd.Function):
+    """Phase1Function for the calls of one stream: apply((N, S, eps, scale, rmsnorm,
+    sums), *blocks, w, gamma, token) -> (*outs, *lses, token), the blocks those of
+    every earlier call and more (BlockGradSums). `token` is the previous call's (None
+    for the first)."""
+
+    @staticmethod
+    def forward(ctx, meta, *tensors):
+        n, sums = meta[0], meta[5]
+        ctx.first_read = sums.claimed  # blocks [first_read, n) are first read here
+        sums.claimed = n
+        ctx.set_materialize_grads(False)  # a missing gradient is zero to the kernel
+        return (*Phase1Function.forward(ctx, meta, *tensors[:n + 2]), tensors[0].new_empty(0))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n, sums = ctx.meta[0], ctx.meta[5].sums
+        if grads[-1] is None:  # the stream's next phase 1 did not run in this backward
+            sums.clear()
         needs = ctx.needs_input_grad
-        need_blocks = list(needs[1:n + 1])
-        need_w = needs[n + 1]
-        need_gamma = needs[n + 2] and gamma is not None
-        grad_outs, grad_lses = list(grads[:num_queries]), list(grads[num_queries:])
-        if _native.eager() and not _grad_enabled():  # create_graph=False
-            grad_blocks, grad_w, grad_gamma = phase1_backward(
-                grad_outs, grad_lses, blocks, w, gamma, eps=eps, scale=scale, rmsnorm=rmsnorm,
-                need_blocks=need_blocks, need_w=need_w, need_gamma=need_gamma,
-                _validated=True)
-            return (None, *grad_blocks, grad_w, grad_gamma)
-        # Traced (compiled autograd), or create_graph=True: the backward op, as
-        # _phase1_grad does (which refuses a double backward as the op does).
-        result = iter(torch.ops.attnres.phase1_backward(
-            grad_outs, grad_lses, blocks, w, gamma, eps, scale, rmsnorm, need_blocks, need_w,
-            need_gamma))
-        return (None, *[next(result) if need else None for need in need_blocks],
-                next(result) if need_w else None, next(result) if need_gamma else None)
+        into = None
+        if any(i in sums for i in range(n)):
+            blocks = ctx.saved_tensors
+            into = [None if not needs[1 + i] else sums[i] if i in sums else
+                    torch.zeros_like(blocks[i], memory_format=torch.contiguous_format)
+                    for i in range(n)]
+        grad_blocks, grad_w, grad_gamma = _phase1_function_grads(ctx, grads, into)
+        for i, g in enumerate(grad_blocks):
+            if g is not None:
+                sums[i] = g
+        mine = [sums.pop(i, None) if i >= ctx.first_read else None for i in range(n)]
+        token = ctx.saved_tensors[0].new_zeros(0) if needs[n + 3] else None
+        return (None, *mine, grad_w, grad_gamma, token)
 
 
 class Phase2Function(torch.autograd.Function):
@@ -577,6 +649,7 @@ class Phase2Function(torch.autograd.Function):
 
 
 _apply_phase1 = _fast_apply(Phase1Function)
+_apply_phase1_in_stream = _fast_apply(Phase1InStream)
 _apply_phase2 = _fast_apply(Phase2Function)
 _eager = _native.eager
 _grad_enabled = torch.is_grad_enabled
@@ -615,6 +688,25 @@ def block_attn_res_phase1(blocks: Sequence[Tensor], w: Tensor, gamma: Optional[T
                                       float(scale), bool(rmsnorm))
     num_queries = w.shape[0]
     return list(result[:num_queries]), list(result[num_queries:])
+
+
+def phase1_in_stream(blocks: Sequence[Tensor], w: Tensor, gamma: Optional[Tensor],
+                     sums: BlockGradSums, token: Optional[Tensor], *, eps: float, scale: float,
+                     rmsnorm: bool) -> Tuple[List[Tensor], List[Tensor], Optional[Tensor]]:
+    """block_attn_res_phase1 for one of a stream's phase 1 calls, its block gradients
+    summed in `sums` (BlockGradSums) when it takes the eager fast path with a gradient.
+    `token`: what the stream's previous call returned (None at the first). Returns
+    (outs, lses, token for the next call)."""
+    if _eager() and _grad_enabled():
+        plain = _validate.plain_phase1(blocks, w, gamma, eps, scale, True)
+        if plain is not None and plain[3]:
+            blocks, num_queries = plain[0], plain[6]
+            result = _apply_phase1_in_stream(
+                (len(blocks), num_queries, eps, scale, rmsnorm, sums), *blocks, w,
+                gamma if rmsnorm else None, token)
+            return list(result[:num_queries]), list(result[num_queries:-1]), result[-1]
+    outs, lses = block_attn_res_phase1(blocks, w, gamma, eps=eps, scale=scale, rmsnorm=rmsnorm)
+    return outs, lses, token
 
 
 def block_attn_res_phase2(out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Tensor,

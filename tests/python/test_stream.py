@@ -18,12 +18,15 @@ from torch.utils.checkpoint import checkpoint
 
 import attnres.stream as stream_module
 from attnres.nn import BlockAttnResStream
+from attnres import two_phase
+from attnres.two_phase import block_attn_res_phase1
 from attnres.ops import custom_op_calls
 from model_reference import reference_block_attn_res
 from torch_reference import rel_err
 
 F64 = torch.float64
 D = 12
+REAL_PHASE1_IN_STREAM = stream_module.phase1_in_stream
 
 
 def twin(embedding, sublayers, w, gamma, norm_weight, *, block_size, eps, scale, rmsnorm,
@@ -137,13 +140,13 @@ def test_phase1_runs_once_per_block_of_sublayers(sizes, monkeypatch):
     last block's phase 1 when no block completes in between); per_layer never runs it."""
     num, block_size = sizes
     calls = []
-    real = stream_module.block_attn_res_phase1
+    real = stream_module.phase1_in_stream
 
     def spy(blocks, w, *args, **kwargs):
         calls.append((len(blocks), w.shape[0]))
         return real(blocks, w, *args, **kwargs)
 
-    monkeypatch.setattr(stream_module, "block_attn_res_phase1", spy)
+    monkeypatch.setattr(stream_module, "phase1_in_stream", spy)
     emb = torch.randn(2, 3, D, dtype=F64)
     layers = make_sublayers(num)
     for schedule in ("two_phase", "per_layer"):
@@ -341,6 +344,122 @@ def test_fused_stream_equals_the_unfused_stream(config, dtype, monkeypatch):
         else:
             err = rel_err(a.float(), b.float())
             assert err <= 1e-2, f"d{name}: relative error {err:.3g} against the unfused stream"
+
+
+# ---------------------------------------------------------------------------------
+# Block gradients summed inside phase 1's backward (two_phase.BlockGradSums): each
+# phase 1 call's kernel adds its share of a block's gradient into one running sum,
+# and the block's first reader hands the sum to autograd.
+# ---------------------------------------------------------------------------------
+
+def pick(items, indices):
+    return items if indices is None else [items[i] for i in indices]
+
+
+def run_leaf_stream(res, emb, cs):
+    """The stream with sub-layers that return fixed leaves c_j: (every mix, output last)."""
+    stream = res.begin(emb)
+    xs = []
+    for c in cs:
+        xs.append(stream.next_input())
+        stream.add(c)
+    xs.append(stream.finish())
+    return xs
+
+
+def phase1_spy(calls, skip=()):
+    """A stand-in for stream.phase1_in_stream that appends each call's number of blocks
+    to `calls`; the calls numbered in `skip` take the public function instead (as a
+    call off the eager fast path does), leaving the sums to the others."""
+    real = REAL_PHASE1_IN_STREAM
+
+    def spy(blocks, w, gamma, sums, token, **kwargs):
+        calls.append(len(blocks))
+        if len(calls) - 1 in skip:
+            outs, lses = block_attn_res_phase1(blocks, w, gamma, **kwargs)
+            return outs, lses, token
+        return real(blocks, w, gamma, sums, token, **kwargs)
+
+    return spy
+
+
+@pytest.mark.parametrize("sizes", [(6, 2), (7, 3), (4, 1)], ids=lambda s: f"L{s[0]}-bs{s[1]}")
+def test_each_block_gradient_is_handed_to_autograd_once(sizes, monkeypatch):
+    """Block i is read by every phase 1 call after its completion, so without the sums
+    autograd receives sum_k N_k block gradients (N_k: the k-th call's blocks) and adds
+    them; with them, the calls hand over one per block (the sum), and the gradients
+    agree with those of the stream with every call off the sums."""
+    num, block_size = sizes
+    g = torch.Generator().manual_seed(5)
+    emb = torch.randn(2, 3, D, generator=g, dtype=F64)
+    gy = torch.randn(2, 3, D, generator=g, dtype=F64)
+    layers = make_sublayers(num)
+    handed = []
+    for cls in (two_phase.Phase1InStream, two_phase.Phase1Function):
+        def counting(ctx, *grads, real=cls.backward):
+            result = real(ctx, *grads)
+            handed.append(sum(1 for x in result[1:1 + ctx.meta[0]] if x is not None))
+            return result
+        monkeypatch.setattr(cls, "backward", staticmethod(counting))
+    results = []
+    for skip in ((), range(num + 1)):  # summing, then every call off the sums
+        calls = []
+        handed.clear()
+        monkeypatch.setattr(stream_module, "phase1_in_stream", phase1_spy(calls, skip))
+        res = BlockAttnResStream(D, num, block_size, dtype=F64)
+        randomize(res)
+        e = emb.clone().requires_grad_(True)
+        y = run_stream(res, e, layers)
+        grads = torch.autograd.grad((y * gy).sum(),
+                                    [e] + stream_params(res) + list(layers.parameters()))
+        results.append((sum(handed), grads, calls))
+    (summed, grads, calls), (unsummed, grads_ref, _) = results
+    assert summed == calls[-1] and unsummed == sum(calls) > summed
+    for a, b in zip(grads, grads_ref):
+        assert rel_err(a, b) <= 1e-13
+
+
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_block_gradient_sums_in_every_kind_of_backward(block_size, monkeypatch):
+    """Against the float64 twin, sub-layers returning fixed leaves c_j (so that a block's
+    gradient reaches it only through the phase 1 calls that read it, and early calls
+    receive no gradient of their own outputs from the final output): the whole
+    backward; backward passes from single mixes over one retained graph, each twice;
+    and a stream whose second phase 1 call is off the eager path (not summing)."""
+    num = 5
+    g = torch.Generator().manual_seed(6)
+    emb = torch.randn(2, 3, D, generator=g, dtype=F64)
+    cs = [torch.randn(2, 3, D, generator=g, dtype=F64) for _ in range(num)]
+    gys = [torch.randn(2, 3, D, generator=g, dtype=F64) for _ in range(num + 1)]
+    res = BlockAttnResStream(D, num, block_size, dtype=F64)
+    randomize(res)
+    ref_leaves = [emb.clone().requires_grad_(True)] + [c.clone().requires_grad_(True)
+                                                        for c in cs]
+    xs_ref = []
+    twin(ref_leaves[0], [(lambda h, c=c: c) for c in ref_leaves[1:]], res.w, res.gamma, None,
+         block_size=block_size, eps=res.eps, scale=res.scale, rmsnorm=res.rmsnorm,
+         norm_eps=res.norm_eps, inputs=xs_ref)
+    for skip in ((), (1,)):
+        monkeypatch.setattr(stream_module, "phase1_in_stream", phase1_spy([], skip))
+        leaves = [emb.clone().requires_grad_(True)] + [c.clone().requires_grad_(True)
+                                                        for c in cs]
+        xs = run_leaf_stream(res, leaves[0], leaves[1:])
+        params = leaves + stream_params(res)
+        ref_params = ref_leaves + stream_params(res)
+        # The output for all leaves, then for one (autograd runs only the calls on its
+        # paths, leaving earlier blocks' sums behind), then single mixes.
+        for j, wrt in [(num, None), (num, [3]), (num, None), (0, None), (2, None),
+                       (num - 1, None)]:
+            for _ in range(2):
+                grads = torch.autograd.grad((xs[j] * gys[j]).sum(), pick(params, wrt),
+                                            retain_graph=True, allow_unused=True)
+                ref = torch.autograd.grad((xs_ref[j] * gys[j]).sum(), pick(ref_params, wrt),
+                                          retain_graph=True, allow_unused=True)
+                for k, (a, b) in enumerate(zip(grads, ref)):
+                    if b is None or not b.any():
+                        assert a is None or not a.any(), f"skip {skip}: x_{j} leaf {k}"
+                    else:
+                        assert rel_err(a, b) <= 1e-12, f"skip {skip}: x_{j} leaf {k}"
 
 
 class StreamModel(nn.Module):
