@@ -507,103 +507,121 @@ void Phase2Forward(const PhaseInfo& info, void*, void*, int64_t begin, int64_t e
 //   do = beta dh,  dbeta = dot(dh, o - p),  dlse = dbeta beta (1 - beta),  dz_p = -dlse
 //   dp = (1 - beta) dh + c u + b p  (c, b: the key chain of z_p),  U += c p
 //   plus grad_partial_in when given (what p receives from its other uses)
+// Three passes over the token's rows (in L1): p's RMS and logit (MergeToken); the
+// sums that fix every scalar: r_h, dot(g nw, h) and, by linearity of dh in g nw and h,
+// dbeta = (dot(g nw, o - p) - dot(h, o - p) dot(g nw, h') / (dim r_h)) / r_h; then
+// every output row, reading each input row once.
 template <typename T>
 void Phase2Backward(const PhaseInfo& info, void*, void* partials, int64_t begin, int64_t end) {
   using R = Row<T>;
   using A = typename R::A;
   using V = typename R::V;
   const int64_t dim = info.dim, kLanes = R::kLanes, padded = info.padded_dim;
+  const bool norm = info.input_norm != 0;
   const A* nw = static_cast<const A*>(info.norm_weight);
   const A* wg = static_cast<const A*>(info.wg);
   A* u_sum = partials != nullptr ? static_cast<A*>(partials) : nullptr;
-  A* nw_sum = partials != nullptr ? static_cast<A*>(partials) + padded : nullptr;
+  A* nw_sum = partials != nullptr && norm ? static_cast<A*>(partials) + padded : nullptr;
+  // g, or g * norm_weight with the input norm, over the pair at d.
+  const auto load_g = [&](const T* g, int64_t d, V& lo, V& hi) ATTNRES_INLINE {
+    R::Load2(g + d, dim - d, lo, hi);
+    if (!norm) return;
+    lo = lo * R::LoadA(nw + d);
+    hi = hi * R::LoadA(nw + d + kLanes);
+  };
   for (int64_t t = begin; t < end; ++t) {
     const MergeToken<T> tok(info, t);
+    const bool merge = tok.p != nullptr;
     const T* g = RowOf<T>(info.grad_out, t, info.grad_out_row_stride);
     const T* g_in = info.grad_partial_in != nullptr
                         ? RowOf<T>(info.grad_partial_in, t, info.grad_out_row_stride)
                         : nullptr;
-    // dh over the pair at d, given h there.
-    A inv_r = 1, proj = 0;  // 1 / r_h and dot(g nw, h') / dim
-    const auto dh = [&](int64_t d, V h_lo, V h_hi, V& lo, V& hi) {
-      R::Load2(g + d, dim - d, lo, hi);
-      if (!info.input_norm) return;
-      const V vi = R::Splat(inv_r), vproj = R::Splat(proj);
-      lo = (lo * R::LoadA(nw + d) - h_lo * vi * vproj) * vi;
-      hi = (hi * R::LoadA(nw + d + kLanes) - h_hi * vi * vproj) * vi;
-    };
-    if (info.input_norm) {
-      V sq0{}, sq1{}, gh0{}, gh1{};
+    // Sums over the row (gn = g nw, or g): h^2, gn h, gn (o - p), h (o - p).
+    V hh[2] = {}, gh[2] = {}, gd[2] = {}, hd[2] = {};
+    if (norm || merge) {
       for (int64_t d = 0; d < dim; d += R::kPair) {
-        V lo, hi, g_lo, g_hi;
-        tok.H(d, dim, lo, hi);
-        R::Load2(g + d, dim - d, g_lo, g_hi);
-        sq0 += lo * lo;
-        sq1 += hi * hi;
-        gh0 += g_lo * R::LoadA(nw + d) * lo;
-        gh1 += g_hi * R::LoadA(nw + d + kLanes) * hi;
+        V h[2], gn[2];
+        tok.H(d, dim, h[0], h[1]);
+        load_g(g, d, gn[0], gn[1]);
+        V diff[2] = {};
+        if (merge) {
+          V o[2], p[2];
+          R::Load2(tok.o + d, dim - d, o[0], o[1]);
+          R::Load2(tok.p + d, dim - d, p[0], p[1]);
+          diff[0] = o[0] - p[0];
+          diff[1] = o[1] - p[1];
+        }
+        for (int k = 0; k < 2; ++k) {
+          if (norm) {
+            hh[k] += h[k] * h[k];
+            gh[k] += gn[k] * h[k];
+          }
+          if (merge) {
+            gd[k] += gn[k] * diff[k];
+            if (norm) hd[k] += h[k] * diff[k];
+          }
+        }
       }
-      inv_r = A(1) / math::Rms(R::Sum(sq0 + sq1), dim, static_cast<A>(info.norm_eps));
-      proj = R::Sum(gh0 + gh1) * inv_r / static_cast<A>(dim);
     }
-    // do = beta dh, dbeta = dot(dh, o - p), dnorm_weight += g h'.
-    V db0{}, db1{};
+    // dh = (gn - h k) r with r = 1 / r_h and k = dot(gn, h) / (dim r_h^2); without the
+    // norm dh = g (r = 1, k = 0).
+    A inv_r = 1, k = 0;
+    if (norm) {
+      inv_r = A(1) / math::Rms(R::Sum(hh[0] + hh[1]), dim, static_cast<A>(info.norm_eps));
+      k = R::Sum(gh[0] + gh[1]) * inv_r * inv_r / static_cast<A>(dim);
+    }
+    const A beta = tok.beta;
+    const A dbeta = merge ? (R::Sum(gd[0] + gd[1]) - k * R::Sum(hd[0] + hd[1])) * inv_r : A(0);
+    const A dlse = dbeta * beta * (A(1) - beta);
+    if (info.grad_query_lse != nullptr) static_cast<A*>(info.grad_query_lse)[t] = dlse;
+
     T* grad_o = info.grad_query_out != nullptr
                     ? static_cast<T*>(info.grad_query_out) + t * info.grad_source_row_stride
                     : nullptr;
-    const V vbeta = R::Splat(tok.beta);
-    for (int64_t d = 0; d < dim; d += R::kPair) {
-      V h_lo, h_hi, lo, hi;
-      tok.H(d, dim, h_lo, h_hi);
-      dh(d, h_lo, h_hi, lo, hi);
-      if (tok.p != nullptr) {
-        V o_lo, o_hi, p_lo, p_hi;
-        R::Load2(tok.o + d, dim - d, o_lo, o_hi);
-        R::Load2(tok.p + d, dim - d, p_lo, p_hi);
-        db0 += lo * (o_lo - p_lo);
-        db1 += hi * (o_hi - p_hi);
-      }
-      if (grad_o != nullptr) R::Store2(grad_o + d, vbeta * lo, vbeta * hi, dim - d);
-      if (info.input_norm && nw_sum != nullptr) {
-        V g_lo, g_hi;
-        R::Load2(g + d, dim - d, g_lo, g_hi);
-        const V vi = R::Splat(inv_r);
-        R::StoreA(nw_sum + d, R::LoadA(nw_sum + d) + g_lo * h_lo * vi);
-        R::StoreA(nw_sum + d + kLanes, R::LoadA(nw_sum + d + kLanes) + g_hi * h_hi * vi);
-      }
-    }
-    const A beta = tok.beta;
-    const A dlse = tok.p != nullptr ? R::Sum(db0 + db1) * beta * (A(1) - beta) : A(0);
-    if (info.grad_query_lse != nullptr) static_cast<A*>(info.grad_query_lse)[t] = dlse;
-    if (tok.p == nullptr || (info.grad_partial == nullptr && u_sum == nullptr)) continue;
-    // dp and U.
-    const math::KeyChain<A> chain =
-        math::KeyGradient(tok.z, tok.r, static_cast<A>(info.scale), dim, info.rmsnorm != 0);
-    const V vc = R::Splat(-dlse * chain.a), vb = R::Splat(-dlse * chain.b);
-    const V vkeep = R::Splat(A(1) - beta);
-    T* grad_p = info.grad_partial != nullptr
+    T* grad_p = merge && info.grad_partial != nullptr
                     ? static_cast<T*>(info.grad_partial) + t * info.grad_source_row_stride
                     : nullptr;
+    A* u = merge ? u_sum : nullptr;
+    if (grad_o == nullptr && grad_p == nullptr && u == nullptr && nw_sum == nullptr) continue;
+    const math::KeyChain<A> chain =
+        merge ? math::KeyGradient(tok.z, tok.r, static_cast<A>(info.scale), dim, info.rmsnorm != 0)
+              : math::KeyChain<A>{0, 0};
+    const V vr = R::Splat(inv_r), vk = R::Splat(k), vbeta = R::Splat(beta);
+    const V vkeep = R::Splat(A(1) - beta);
+    const V vc = R::Splat(-dlse * chain.a), vb = R::Splat(-dlse * chain.b);
     for (int64_t d = 0; d < dim; d += R::kPair) {
-      V p_lo, p_hi;
-      R::Load2(tok.p + d, dim - d, p_lo, p_hi);
-      if (u_sum != nullptr) {
-        R::StoreA(u_sum + d, R::LoadA(u_sum + d) + vc * p_lo);
-        R::StoreA(u_sum + d + kLanes, R::LoadA(u_sum + d + kLanes) + vc * p_hi);
+      V h[2] = {}, dh[2];
+      if (norm) tok.H(d, dim, h[0], h[1]);
+      load_g(g, d, dh[0], dh[1]);
+      if (norm) {
+        for (int j = 0; j < 2; ++j) dh[j] = (dh[j] - h[j] * vk) * vr;
+      }
+      if (grad_o != nullptr) R::Store2(grad_o + d, vbeta * dh[0], vbeta * dh[1], dim - d);
+      if (nw_sum != nullptr) {  // dnorm_weight += g h / r_h
+        V g_lo, g_hi;
+        R::Load2(g + d, dim - d, g_lo, g_hi);
+        R::StoreA(nw_sum + d, R::LoadA(nw_sum + d) + g_lo * h[0] * vr);
+        R::StoreA(nw_sum + d + kLanes, R::LoadA(nw_sum + d + kLanes) + g_hi * h[1] * vr);
+      }
+      if (grad_p == nullptr && u == nullptr) continue;
+      V p[2];
+      R::Load2(tok.p + d, dim - d, p[0], p[1]);
+      if (u != nullptr) {
+        R::StoreA(u + d, R::LoadA(u + d) + vc * p[0]);
+        R::StoreA(u + d + kLanes, R::LoadA(u + d + kLanes) + vc * p[1]);
       }
       if (grad_p == nullptr) continue;
-      V h_lo{}, h_hi{}, lo, hi;
-      if (info.input_norm) tok.H(d, dim, h_lo, h_hi);
-      dh(d, h_lo, h_hi, lo, hi);
-      lo = vkeep * lo + vc * R::LoadA(wg + d) + vb * p_lo;
-      hi = vkeep * hi + vc * R::LoadA(wg + d + kLanes) + vb * p_hi;
+      V dp[2];
+      for (int j = 0; j < 2; ++j) {
+        dp[j] = vkeep * dh[j] + vc * R::LoadA(wg + d + j * kLanes) + vb * p[j];
+      }
       if (g_in != nullptr) {
         V in_lo, in_hi;
         R::Load2(g_in + d, dim - d, in_lo, in_hi);
-        lo += in_lo;
-        hi += in_hi;
+        dp[0] += in_lo;
+        dp[1] += in_hi;
       }
-      R::Store2(grad_p + d, lo, hi, dim - d);
+      R::Store2(grad_p + d, dp[0], dp[1], dim - d);
     }
   }
 }
