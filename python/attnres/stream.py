@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from . import _validate
 from .functional import block_attn_res_fn
-from .two_phase import BlockGradSums, block_attn_res_phase2, phase1_in_stream
+from .two_phase import BlockGradSums, phase1_in_stream, phase2_in_stream
 
 __all__ = ["BlockAttnResStream"]
 
@@ -234,13 +234,11 @@ class Stream:
             return h
         first, outs, lses = self._phase1_for(j)
         q = j - first
-        update = self._update
-        h = block_attn_res_phase2(outs[q], lses[q], self._partial, w, gamma, eps=m.eps,
-                                  scale=m.scale, rmsnorm=m.rmsnorm, norm_weight=norm_weight,
-                                  input_norm=m.input_norm, norm_eps=m.norm_eps, update=update)
-        if update is None:
-            return h
-        h, self._partial = h  # the partial block with the update added
+        # The partial block for the next mix: with the update added, or passed through.
+        h, self._partial = phase2_in_stream(
+            outs[q], lses[q], self._partial, w, gamma, eps=m.eps, scale=m.scale,
+            rmsnorm=m.rmsnorm, norm_weight=norm_weight, input_norm=m.input_norm,
+            norm_eps=m.norm_eps, update=self._update)
         self._update = None
         return h
 

@@ -599,14 +599,17 @@ class Phase1InStream(torch.autograd.Function):
 
 
 class Phase2Function(torch.autograd.Function):
-    """apply((eps, scale, rmsnorm, input_norm, norm_eps, contiguous), out, lse, partial, w,
-    gamma, norm_weight, update) -> h, as attnres::phase2, or with update (h, new_partial),
-    as attnres::phase2_update, for inputs _validate.plain_phase2() accepted (gamma None
-    without RMSNorm, norm_weight None without input_norm)."""
+    """apply((eps, scale, rmsnorm, input_norm, norm_eps, contiguous[, pass_partial]), out,
+    lse, partial, w, gamma, norm_weight, update) -> h, as attnres::phase2, or with update
+    (h, new_partial), as attnres::phase2_update, for inputs _validate.plain_phase2()
+    accepted (gamma None without RMSNorm, norm_weight None without input_norm). With
+    pass_partial (and partial, no update): (h, partial), the partial block passed
+    through, so that the gradient of its later uses reaches this node and the kernel
+    adds it into the partial block's gradient (phase2_in_stream)."""
 
     @staticmethod
     def forward(ctx, meta, out, lse, partial, w, gamma, norm_weight, update):
-        eps, scale, rmsnorm, input_norm, norm_eps, contiguous = meta
+        eps, scale, rmsnorm, input_norm, norm_eps, contiguous = meta[:6]
         ctx.meta = meta
         result = phase2_forward(out, lse, partial, w, gamma, eps=eps, scale=scale,
                                 rmsnorm=rmsnorm, norm_weight=norm_weight, input_norm=input_norm,
@@ -614,7 +617,11 @@ class Phase2Function(torch.autograd.Function):
                                 _contiguous=contiguous)
         if update is None:
             ctx.save_for_backward(out, lse, partial, w, gamma, norm_weight)  # as the op's
-            return result
+            if meta[6:] != (True,):
+                return result
+            # autograd returns an input as a view of it with this node as its history.
+            ctx.set_materialize_grads(False)
+            return result, partial
         # As _phase2_update_setup_context. Unlike the op, an unused new_partial (the
         # stream's final mix) passes no gradient rather than zeros, and the kernel
         # then adds none.
@@ -624,7 +631,7 @@ class Phase2Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, grad_new_partial=None):
-        eps, scale, rmsnorm, input_norm, norm_eps, _ = ctx.meta
+        eps, scale, rmsnorm, input_norm, norm_eps = ctx.meta[:5]
         saved = ctx.saved_tensors
         out, lse, partial, w, gamma, norm_weight = saved
         needs = ctx.needs_input_grad
@@ -707,6 +714,28 @@ def phase1_in_stream(blocks: Sequence[Tensor], w: Tensor, gamma: Optional[Tensor
             return list(result[:num_queries]), list(result[num_queries:-1]), result[-1]
     outs, lses = block_attn_res_phase1(blocks, w, gamma, eps=eps, scale=scale, rmsnorm=rmsnorm)
     return outs, lses, token
+
+
+def phase2_in_stream(out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Tensor,
+                     gamma: Optional[Tensor], *, eps: float, scale: float, rmsnorm: bool,
+                     norm_weight: Optional[Tensor], input_norm: bool, norm_eps: float,
+                     update: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    """block_attn_res_phase2 for a stream's sub-layer: (h, the partial block for the next
+    mix). Without an update the partial block (the block's first output) is read here
+    and again by the next mix; on the eager fast path with a gradient it comes back
+    through this call (Phase2Function's pass_partial), so that its two gradients are
+    added in the kernel rather than by autograd."""
+    if update is None and partial is not None and _eager() and _grad_enabled():
+        plain = _validate.plain_phase2(out, lse, partial, w, gamma, norm_weight, eps, scale,
+                                       norm_eps, True)
+        if plain is not None and plain[1]:
+            return _apply_phase2((eps, scale, rmsnorm, input_norm, norm_eps, plain[0], True),
+                                 out, lse, partial, w, gamma if rmsnorm else None, norm_weight,
+                                 None)
+    result = block_attn_res_phase2(out, lse, partial, w, gamma, eps=eps, scale=scale,
+                                   rmsnorm=rmsnorm, norm_weight=norm_weight,
+                                   input_norm=input_norm, norm_eps=norm_eps, update=update)
+    return result if update is not None else (result, partial)  # (h, p + update) or h
 
 
 def block_attn_res_phase2(out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Tensor,

@@ -309,18 +309,17 @@ def test_fused_stream_equals_the_unfused_stream(config, dtype, monkeypatch):
     emb = torch.randn(3, 5, D, generator=g).to(dtype)
     cs = [(0.7 * torch.randn(3, 5, D, generator=g)).to(dtype) for _ in range(num)]
     gys = [torch.randn(3, 5, D, generator=g).to(dtype) for _ in range(num + 1)]
-    real = stream_module.block_attn_res_phase2
+    real = stream_module.phase2_in_stream
 
     def unfused(out, lse, partial, *args, update=None, **kwargs):
-        if update is None:
-            return real(out, lse, partial, *args, **kwargs)
-        partial = partial + update
-        return real(out, lse, partial, *args, **kwargs), partial
+        if update is not None:
+            partial = partial + update
+        return real(out, lse, partial, *args, update=None, **kwargs)
 
     results = []
     for fuse in (True, False):
         if not fuse:
-            monkeypatch.setattr(stream_module, "block_attn_res_phase2", unfused)
+            monkeypatch.setattr(stream_module, "phase2_in_stream", unfused)
         res = BlockAttnResStream(D, num, block_size, **kw)
         randomize(res)
         e = emb.clone().requires_grad_(True)
@@ -417,6 +416,31 @@ def test_each_block_gradient_is_handed_to_autograd_once(sizes, monkeypatch):
     assert summed == calls[-1] and unsummed == sum(calls) > summed
     for a, b in zip(grads, grads_ref):
         assert rel_err(a, b) <= 1e-13
+
+
+@pytest.mark.parametrize("sizes", [(7, 3), (6, 2), (5, 1), (8, 4), (4, 6)],
+                         ids=lambda s: f"L{s[0]}-bs{s[1]}")
+@pytest.mark.parametrize("dtype", [F64, torch.bfloat16], ids=["f64", "bf16"])
+def test_two_phase_backward_runs_no_additions(sizes, dtype):
+    """Every tensor the two-phase stream reads twice has its gradients added inside a
+    kernel: a completed block's (phase 1's sums), a block's first output (phase 2 passes
+    it through to its next reader). So autograd adds no stream-shaped gradients (the
+    profiler sees every aten addition, and a dispatch mode would turn the fast path
+    off); the same stream through per_layer adds them."""
+    num, block_size = sizes
+    emb = torch.randn(2, 3, D, dtype=dtype)
+    layers = make_sublayers(num, dtype=dtype)
+    for schedule in ("two_phase", "per_layer"):
+        res = BlockAttnResStream(D, num, block_size, schedule=schedule, input_norm=True,
+                                 dtype=dtype)
+        randomize(res)
+        e = emb.clone().requires_grad_(True)
+        y = run_stream(res, e, layers)
+        with torch.profiler.profile(record_shapes=True) as prof:
+            torch.autograd.grad(y.float().square().sum(), [e] + stream_params(res))
+        adds = sum(1 for ev in prof.events() if ev.name in ("aten::add", "aten::add_")
+                   and ev.input_shapes[:2] == [list(emb.shape)] * 2)
+        assert (adds == 0) == (schedule == "two_phase"), f"{schedule}: {adds} additions"
 
 
 @pytest.mark.parametrize("block_size", [1, 2])
