@@ -512,15 +512,16 @@ class Phase1Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        grad_blocks, grad_w, grad_gamma = _phase1_function_grads(ctx, grads)
+        grad_blocks, grad_w, grad_gamma = _phase1_function_grads(ctx, ctx.saved_tensors, grads)
         return (None, *grad_blocks, grad_w, grad_gamma)
 
 
-def _phase1_function_grads(ctx, grads, into=None):
-    """(grad_blocks, grad_w, grad_gamma) of a Phase1Function, the block gradients added
-    to `into` (as phase1_backward's _accumulate_into) when given."""
+def _phase1_function_grads(ctx, saved, grads, into=None):
+    """(grad_blocks, grad_w, grad_gamma) of a Phase1Function whose saved tensors are
+    `saved` (ctx.saved_tensors, read once: a saved-tensor hook such as non-reentrant
+    checkpointing unpacks once), the block gradients added to `into` (as
+    phase1_backward's _accumulate_into; eager only) when given."""
     n, num_queries, eps, scale, rmsnorm = ctx.meta[:5]
-    saved = ctx.saved_tensors
     blocks, (w, gamma) = list(saved[:n]), saved[n:]
     needs = ctx.needs_input_grad
     need_blocks = list(needs[1:n + 1])
@@ -533,12 +534,11 @@ def _phase1_function_grads(ctx, grads, into=None):
                                need_gamma=need_gamma, _validated=True, _accumulate_into=into)
     # Traced (compiled autograd), or create_graph=True: the backward op, as
     # _phase1_grad does (which refuses a double backward as the op does).
+    assert into is None
     result = iter(torch.ops.attnres.phase1_backward(
         grad_outs, grad_lses, blocks, w, gamma, eps, scale, rmsnorm, need_blocks, need_w,
         need_gamma))
     grad_blocks = [next(result) if need else None for need in need_blocks]
-    if into is not None:
-        grad_blocks = [g if g is None else a + g for a, g in zip(into, grad_blocks)]
     return grad_blocks, next(result) if need_w else None, next(result) if need_gamma else None
 
 
@@ -554,7 +554,10 @@ class BlockGradSums:
     anyway); the block's first reader in the forward, the last to run backward, hands
     the sum to autograd. A token output of each call, input of the next, makes that
     order certain and tells a call whether the next one ran in the same backward pass
-    (if not, what is held here is stale and dropped)."""
+    (if not, it is the first of this pass: what is held here is stale and dropped, and
+    the end of the pass drops what a partial backward leaves). Off the eager path
+    (compiled autograd, create_graph=True) every call returns its own shares for
+    autograd to add, as Phase1Function does."""
 
     __slots__ = ("sums", "claimed")
 
@@ -580,21 +583,25 @@ class Phase1InStream(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         n, sums = ctx.meta[0], ctx.meta[5].sums
+        saved, needs = ctx.saved_tensors, ctx.needs_input_grad
+        token = saved[0].new_zeros(0) if needs[n + 3] else None
+        if not (_native.eager() and not _grad_enabled()):
+            sums.clear()
+            grad_blocks, grad_w, grad_gamma = _phase1_function_grads(ctx, saved, grads)
+            return (None, *grad_blocks, grad_w, grad_gamma, token)
         if grads[-1] is None:  # the stream's next phase 1 did not run in this backward
             sums.clear()
-        needs = ctx.needs_input_grad
+            torch.autograd.Variable._execution_engine.queue_callback(sums.clear)
         into = None
         if any(i in sums for i in range(n)):
-            blocks = ctx.saved_tensors
             into = [None if not needs[1 + i] else sums[i] if i in sums else
-                    torch.zeros_like(blocks[i], memory_format=torch.contiguous_format)
+                    torch.zeros_like(saved[i], memory_format=torch.contiguous_format)
                     for i in range(n)]
-        grad_blocks, grad_w, grad_gamma = _phase1_function_grads(ctx, grads, into)
+        grad_blocks, grad_w, grad_gamma = _phase1_function_grads(ctx, saved, grads, into)
         for i, g in enumerate(grad_blocks):
             if g is not None:
                 sums[i] = g
         mine = [sums.pop(i, None) if i >= ctx.first_read else None for i in range(n)]
-        token = ctx.saved_tensors[0].new_zeros(0) if needs[n + 3] else None
         return (None, *mine, grad_w, grad_gamma, token)
 
 
@@ -735,7 +742,7 @@ def phase2_in_stream(out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Ten
     result = block_attn_res_phase2(out, lse, partial, w, gamma, eps=eps, scale=scale,
                                    rmsnorm=rmsnorm, norm_weight=norm_weight,
                                    input_norm=input_norm, norm_eps=norm_eps, update=update)
-    return result if update is not None else (result, partial)  # (h, p + update) or h
+    return result if update is not None else (result, partial)  # (h, p + update) or (h, p)
 
 
 def block_attn_res_phase2(out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Tensor,

@@ -535,6 +535,93 @@ def test_checkpointed_sublayers_give_the_same_gradients(schedule):
         torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
 
 
+def stream_grads(res, layers, emb, wrap_stream=None, backward=None):
+    """Gradients of the stream's output (squared, summed) for the embedding, the stream's
+    and the sub-layers' parameters; `wrap_stream(f, e)` runs f(e) (checkpointing),
+    `backward(loss)` replaces loss.backward()."""
+    e = emb.clone().requires_grad_(True)
+    params = [e] + stream_params(res) + list(layers.parameters())
+    for p in params:
+        p.grad = None
+    run = lambda x: run_stream(res, x, layers)
+    y = run(e) if wrap_stream is None else wrap_stream(run, e)
+    loss = y.square().sum()
+    (backward or torch.Tensor.backward)(loss)
+    return [p.grad.clone() for p in params]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpointing_the_whole_stream(use_reentrant):
+    """Activation checkpointing around the whole stream (recomputed in the backward,
+    with a saved-tensor hook that lets each saved tensor be unpacked once when not
+    reentrant): the gradients of the plain backward, and every phase 1 backward reads
+    its saved tensors once."""
+    num, block_size = 7, 2
+    res = BlockAttnResStream(D, num, block_size, input_norm=True, dtype=F64)
+    randomize(res)
+    layers = make_sublayers(num)
+    emb = torch.randn(2, 3, D, dtype=F64)
+    ref = stream_grads(res, layers, emb)
+    grads = stream_grads(res, layers, emb, wrap_stream=lambda f, e: checkpoint(
+        f, e, use_reentrant=use_reentrant))
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
+    counts = {"pack": 0, "unpack": 0}
+
+    def pack(t):
+        counts["pack"] += 1
+        return t
+
+    def unpack(t):
+        counts["unpack"] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        stream_grads(res, layers, emb)
+    assert counts["unpack"] == counts["pack"] > 0
+
+
+def test_compiled_autograd_backward_of_an_eager_stream():
+    """The backward traced by compiled autograd after an eager forward: each phase 1
+    call returns its own block gradients there (no sums), with the eager gradients."""
+    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+    torch._dynamo.reset()
+    num, block_size = 5, 2
+    res = BlockAttnResStream(D, num, block_size, input_norm=True, dtype=F64)
+    randomize(res)
+    layers = make_sublayers(num)
+    emb = torch.randn(2, 3, D, dtype=F64)
+    ref = stream_grads(res, layers, emb)
+
+    def traced(loss):
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            loss.backward()
+
+    for _ in range(2):  # the second backward reuses the compiled graph
+        grads = stream_grads(res, layers, emb, backward=traced)
+        for a, b in zip(grads, ref):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_a_partial_backward_leaves_no_gradient_sums_behind():
+    """autograd.grad for one sub-layer's parameters runs only the phase 1 calls on its
+    paths, so earlier blocks' sums are never handed over; the end of the pass drops
+    them rather than keeping them alive with the graph."""
+    num, block_size = 6, 2
+    res = BlockAttnResStream(D, num, block_size, dtype=F64)
+    randomize(res)
+    layers = make_sublayers(num)
+    e = torch.randn(2, 3, D, dtype=F64, requires_grad=True)
+    stream = res.begin(e)
+    for layer in layers:
+        stream.add(layer(stream.next_input()))
+    loss = stream.finish().square().sum()
+    torch.autograd.grad(loss, list(layers[3].parameters()), retain_graph=True)
+    assert stream._grad_sums.sums == {}
+    torch.autograd.grad(loss, [e])
+    assert stream._grad_sums.sums == {}
+
+
 # ---------------------------------------------------------------------------------
 # Misuse.
 # ---------------------------------------------------------------------------------
