@@ -449,9 +449,10 @@ attnres_status CpuTwoPhase(const attnres_params& p, int phase, bool backward) {
   char* partials = scratch + threads * scratch_bytes;
   std::memset(partials, 0, num_chunks * partial_bytes);
   PhaseInfo info = PhaseProblem(p);
-  // Phase 1's outputs (the S query rows; the N block gradients) when large.
-  info.stream_stores = phase == 1 && !(backward && p.accumulate_grads) &&
-                       (backward ? N : S) * p.num_tokens * dim * elem > kStreamStoreBytes;
+  // Phase 1 backward's block gradients when large (the forward's S query rows are
+  // written with normal stores: two_phase.cc, GroupMix).
+  info.stream_stores = phase == 1 && backward && !p.accumulate_grads &&
+                       N * p.num_tokens * dim * elem > kStreamStoreBytes;
   info.padded_dim = padded;
   info.wg = base;
   info.norm_weight = norm ? base + S * padded * acc : nullptr;

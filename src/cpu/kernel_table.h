@@ -72,7 +72,7 @@ struct PhaseInfo : RowsInfo {
   int64_t num_blocks, num_queries;
   double norm_eps;
   bool input_norm, accumulate_grads;
-  bool stream_stores;  // phase 1: write the outputs (dv rows backward) with non-temporal stores
+  bool stream_stores;  // phase 1 backward: write the dv rows with non-temporal stores
   // Phase 1: the blocks, and per query its output and LSE (gradients backward).
   const void* const* blocks;
   void* const* query_outs;

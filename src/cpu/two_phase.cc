@@ -111,9 +111,12 @@ struct PhaseRow : Row<T> {
   }
 
   // For the Q queries of a group: sum_i weights[q][i] v_i over the n rows `src`,
-  // stored to the rows out[q] of T (kToA false; past the caches when kStream, every
-  // row aligned for StoreStream2) or added to the rows of A (kToA).
-  template <int Q, bool kToA, bool kStream>
+  // stored to the rows out[q] of T (kToA false) or added to the rows of A (kToA).
+  // Normal stores: non-temporal ones for phase 1's outputs matched them at S <= 6 on
+  // the Xeon (within 3-7%, either way) and ran 2.5x slower from S = 7 on, or when a
+  // token's outputs took more than one group (S = 7: 47 against 18 ms; S = 24: 144
+  // against 63 ms; 4096 tokens, D = 2304, N = 9, 2 threads).
+  template <int Q, bool kToA>
   [[gnu::noinline]] static void GroupMix(const T* const* src, int64_t n, const A* const* weights,
                                          void* const* out, int64_t dim) {
     R::ForEachPair(0, dim, dim, [&](int64_t d, auto m) ATTNRES_INLINE {
@@ -132,8 +135,6 @@ struct PhaseRow : Row<T> {
           A* u = static_cast<A*>(out[q]) + d;
           StoreA(u, LoadA(u) + acc[q][0]);
           StoreA(u + kLanes, LoadA(u + kLanes) + acc[q][1]);
-        } else if (kStream && m == kPair) {
-          R::StoreStream2(static_cast<T*>(out[q]) + d, acc[q][0], acc[q][1]);
         } else {
           R::Store2(static_cast<T*>(out[q]) + d, acc[q][0], acc[q][1], m);
         }
@@ -141,12 +142,12 @@ struct PhaseRow : Row<T> {
     });
   }
 
-  template <bool kToA, bool kStream = false>
+  template <bool kToA>
   static void Mix(const T* const* src, int64_t n, const A* const* weights, void* const* out,
                   int64_t count, int64_t dim) {
     for (int64_t k = 0; k < count; k += kGroup) {
       WithGroupSize(std::min<int64_t>(kGroup, count - k), [&](auto group) {
-        GroupMix<decltype(group)::value, kToA, kStream>(src, n, weights + k, out + k, dim);
+        GroupMix<decltype(group)::value, kToA>(src, n, weights + k, out + k, dim);
       });
     }
   }
@@ -336,11 +337,9 @@ void Phase1Forward(const PhaseInfo& info, void* scratch, void*, int64_t begin, i
   using A = typename Row<T>::A;
   const int64_t S = info.num_queries, N = info.num_blocks, padded = info.padded_dim;
   PhaseScratch<T> ws(scratch, S, N, padded);
-  bool stream = info.stream_stores;
   for (int64_t s = 0; s < S; ++s) {
     ws.rows[s] = static_cast<const A*>(info.wg) + s * padded;
     ws.weights[s] = ws.a + s * N;
-    stream = stream && RowsStreamable<T>(info.query_outs[s], info.out_row_stride);
   }
   for (int64_t t = begin; t < end; ++t) {
     Phase1Logits<T>(info, t, end, S, ws);
@@ -348,11 +347,8 @@ void Phase1Forward(const PhaseInfo& info, void* scratch, void*, int64_t begin, i
       static_cast<A*>(info.query_lses[s])[t] = Phase1Weights(ws, s, N);
       ws.outs[s] = static_cast<T*>(info.query_outs[s]) + t * info.out_row_stride;
     }
-    const auto mix = stream ? PhaseRow<T>::template Mix<false, true>
-                            : PhaseRow<T>::template Mix<false, false>;
-    mix(ws.src, N, ws.weights, ws.outs, S, info.dim);
+    PhaseRow<T>::template Mix<false>(ws.src, N, ws.weights, ws.outs, S, info.dim);
   }
-  if (stream) Row<T>::FenceStreams();
 }
 
 template <typename T>

@@ -778,11 +778,11 @@ TEST(TwoPhaseAbi, Phase1MatchesReference) {
   }
 }
 
-// Phase 1's outputs above 16 MB (the S query rows forward, the N block gradients
-// backward) are written with non-temporal stores when every row is aligned for
-// them (src/cpu/backend.cc): aligned rows, and bf16 rows one element apart too
-// many for that, on every CPU variant. (Named as the single op's streaming test,
-// which the aarch64 run under qemu leaves out for its time.)
+// Phase 1 backward's block gradients above 16 MB are written with non-temporal
+// stores when every row is aligned for them (src/cpu/backend.cc; the forward's
+// query rows never are): aligned rows, and bf16 rows one element apart too many for
+// that, on every CPU variant. (Named as the single op's streaming test, which the
+// aarch64 run under qemu leaves out for its time.)
 TEST(StreamingStores, Phase1LargeOutputsMatchTheReference) {
   for (auto [dt, pad] : {std::pair{ATTNRES_DTYPE_BFLOAT16, 0}, std::pair{ATTNRES_DTYPE_BFLOAT16, 1},
                          std::pair{ATTNRES_DTYPE_FLOAT32, 0}}) {
