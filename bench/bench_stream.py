@@ -13,7 +13,7 @@ block start with the most completed blocks), with their minimal bytes and the
 fraction of the machine's streaming bandwidth measured in the same run, and a
 compute ceiling: phase 1 forward does S + 1 multiply-adds per block element in its
 first pass and S in its second; the ceiling is that count at the FMA rate of a
-cache-resident dot product measured here (torch.mv on an L2-resident matrix).
+cache-resident matrix product measured here (torch.mm of L2-resident matrices).
 
 Shapes: "48b" (the report's 48B model: D=2304, 54 sub-layers, blocks of 6, 4096
 tokens) and "k3" (Kimi K3-like: D=7168, blocks of 24 sub-layers, 9 completed
@@ -89,17 +89,20 @@ def stream_bandwidth(repeat: int, mib: int = 512) -> Dict[str, float]:
 
 
 def fma_ceiling(repeat: int) -> float:
-    """Multiply-adds per second of a cache-resident fp32 matrix-vector product
-    (torch.mv over a 256 KB matrix): what S dot products per element can reach."""
-    m = torch.randn(64, 1024)
-    v = torch.randn(1024)
-    calls = 2000
+    """Multiply-adds per second of a cache-resident fp32 matrix product (torch.mm of
+    256 x 256 matrices, 256 KB each, with the run's threads): the machine's FMA rate,
+    so FMAs / this rate is a floor no kernel goes below. (A matrix-vector product,
+    used before, is bound by its loads: on the Xeon it measured 13 GFMA/s, a "floor"
+    above phase 1's measured times.)"""
+    n, calls = 256, 200
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
 
     def many():
         for _ in range(calls):
-            torch.mv(m, v)
+            torch.mm(a, b, out=out)
     ms = min(timed(many, 1) for _ in range(repeat))
-    return 64 * 1024 * calls / (ms * 1e-3)
+    return n ** 3 * calls / (ms * 1e-3)
 
 
 def bench_phase1(dim: int, num_blocks: int, num_queries: int, tokens: int, dtype, repeat: int,
@@ -232,7 +235,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     print(f"attnres stream bench: isa {report['isa']}, {args.threads} threads, {args.dtype}, "
           f"median of {args.repeat}; torch read {bandwidth['read_gbs']:.1f} GB/s, copy "
-          f"{bandwidth['copy_gbs']:.1f} GB/s, mv {fma_per_s / 1e9:.1f} GFMA/s")
+          f"{bandwidth['copy_gbs']:.1f} GB/s, mm {fma_per_s / 1e9:.1f} GFMA/s")
     for name, r in report["shapes"].items():
         s = r["shape"]
         print(f"\n{name}: D={s['dim']}, {s['num_sublayers']} sub-layers, blocks of "
