@@ -550,17 +550,20 @@ def stream_grads(res, layers, emb, wrap_stream=None, backward=None):
     return [p.grad.clone() for p in params]
 
 
+def normed_stream(num, block_size):
+    """(stream with the input norm, its sub-layers, an embedding), float64."""
+    res = BlockAttnResStream(D, num, block_size, input_norm=True, dtype=F64)
+    randomize(res)
+    return res, make_sublayers(num), torch.randn(2, 3, D, dtype=F64)
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_checkpointing_the_whole_stream(use_reentrant):
     """Activation checkpointing around the whole stream (recomputed in the backward,
     with a saved-tensor hook that lets each saved tensor be unpacked once when not
     reentrant): the gradients of the plain backward, and every phase 1 backward reads
     its saved tensors once."""
-    num, block_size = 7, 2
-    res = BlockAttnResStream(D, num, block_size, input_norm=True, dtype=F64)
-    randomize(res)
-    layers = make_sublayers(num)
-    emb = torch.randn(2, 3, D, dtype=F64)
+    res, layers, emb = normed_stream(7, 2)
     ref = stream_grads(res, layers, emb)
     grads = stream_grads(res, layers, emb, wrap_stream=lambda f, e: checkpoint(
         f, e, use_reentrant=use_reentrant))
@@ -586,11 +589,7 @@ def test_compiled_autograd_backward_of_an_eager_stream():
     call returns its own block gradients there (no sums), with the eager gradients."""
     compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
     torch._dynamo.reset()
-    num, block_size = 5, 2
-    res = BlockAttnResStream(D, num, block_size, input_norm=True, dtype=F64)
-    randomize(res)
-    layers = make_sublayers(num)
-    emb = torch.randn(2, 3, D, dtype=F64)
+    res, layers, emb = normed_stream(5, 2)
     ref = stream_grads(res, layers, emb)
 
     def traced(loss):
