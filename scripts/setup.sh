@@ -19,4 +19,4 @@ fi
 
 # torch 2.13.0 is the CPU build on this machine's disk; any other version downloads GBs.
 python3 -c "import torch" 2>/dev/null || python3 -m pip install -q torch==2.13.0
-python3 -m pip install -q "pytest>=7" "scikit-build-core>=0.8" "cmake>=3.20" ninja matplotlib tqdm
+python3 -m pip install -q "pytest>=9" "scikit-build-core>=0.8" "cmake>=3.20" ninja matplotlib tqdm

@@ -19,6 +19,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.overrides import TorchFunctionMode
 
 import attnres
@@ -483,31 +484,52 @@ def test_stream_without_grad_takes_the_fast_path():
 # DistributedDataParallel: the gradient hooks see the fast path's gradients
 # ---------------------------------------------------------------------------------
 
-def test_ddp_gradients_through_the_fast_path(tmp_path):
-    """One process of DDP (gloo): its reducer's hooks fire on every parameter and the
-    all-reduced gradients equal the custom-op path's bit for bit."""
-    from model_reference import TinyAttnResLM, lm_loss, randomize_attn_res
+def _tiny_lm():
+    from model_reference import TinyAttnResLM, randomize_attn_res
+    torch.manual_seed(0)
+    model = TinyAttnResLM(num_layers=3, layers_per_block=2, impl="native", scale=0.8).double()
+    randomize_attn_res(model)
+    return model
 
-    def model():
-        torch.manual_seed(0)
-        m = TinyAttnResLM(num_layers=3, layers_per_block=2, impl="native", scale=0.8).double()
-        randomize_attn_res(m)
-        return m
 
-    tokens = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1))
-    reference = model()
-    with CustomOpPath():
-        lm_loss(reference, tokens).backward()
+def _lm_tokens():
+    return torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1))
 
-    store = dist.FileStore(os.path.join(tmp_path, "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+def _ddp_worker(rank: int, store_path: str, out_path: str) -> None:
+    """One process of DDP (gloo) in a process of its own: torch 2.13's gloo workers can
+    deadlock against a process group destroyed right after a backward (the worker
+    frees the backward's allreduce, whose saved thread-local state holds a Python
+    object, so it waits for the GIL that ~ProcessGroupGloo holds while it joins the
+    worker). It hung CI one run in ten; here, as in test_ddp.py, the group is never
+    destroyed under a thread that holds the GIL: the process leaves with os._exit."""
+    from model_reference import lm_loss
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 1), rank=rank,
+                            world_size=1)
     try:
-        plain = model()
-        ddp = torch.nn.parallel.DistributedDataParallel(plain)
+        model = _tiny_lm()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
         with counting() as ran:
-            lm_loss(ddp, tokens).backward()
-        assert ran == {}
+            lm_loss(ddp, _lm_tokens()).backward()
+        torch.save({"ran": ran, "grads": [p.grad for p in model.parameters()]}, out_path)
     finally:
         dist.destroy_process_group()
-    for (name, a), b in zip(plain.named_parameters(), reference.parameters()):
-        assert_same_bits(a.grad, b.grad, name)
+    os._exit(0)
+
+
+def test_ddp_gradients_through_the_fast_path(tmp_path):
+    """DDP's reducer hooks fire on every parameter and the all-reduced gradients equal
+    the custom-op path's bit for bit."""
+    from model_reference import lm_loss
+    reference = _tiny_lm()
+    with CustomOpPath():
+        lm_loss(reference, _lm_tokens()).backward()
+
+    out_path = str(tmp_path / "ddp.pt")
+    mp.spawn(_ddp_worker, args=(str(tmp_path / "store"), out_path), nprocs=1, join=True)
+    result = torch.load(out_path)
+    assert result["ran"] == {}
+    names = [name for name, _ in reference.named_parameters()]
+    assert len(result["grads"]) == len(names)
+    for name, a, b in zip(names, result["grads"], reference.parameters()):
+        assert_same_bits(a, b.grad, name)
