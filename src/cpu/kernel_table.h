@@ -101,12 +101,12 @@ struct PhaseInfo : RowsInfo {
 // (two_phase.cc: kGroup).
 constexpr int64_t kPhaseGroupSumsBytes = (8 + 1) * 2 * 64;
 // Bytes of scratch of one thread for the two-phase kernels: pointer tables
-// (4S + 2N), the running sums of N block rows, then in A: the S grad_out rows
+// (5S + 2N), the running sums of N block rows, then in A: the S grad_out rows
 // widened (phase 1 backward) and the stats z, a, dz [S, N], r, b [N].
 inline int64_t PhaseScratchBytes(int64_t num_queries, int64_t num_blocks, int64_t padded_dim,
                                  int64_t accum_bytes) {
   const int64_t S = num_queries, N = num_blocks;
-  const int64_t pointers = (4 * S + 2 * N) * static_cast<int64_t>(sizeof(void*));
+  const int64_t pointers = (5 * S + 2 * N) * static_cast<int64_t>(sizeof(void*));
   return (pointers + 63) / 64 * 64 + N * kPhaseGroupSumsBytes +
          (S * padded_dim + 3 * S * N + 2 * N) * accum_bytes;
 }

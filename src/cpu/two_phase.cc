@@ -60,40 +60,54 @@ struct PhaseRow : Row<T> {
   // running sums in `sums` (Q + 1 pairs of vectors of A, kept between calls; the
   // call with d_begin = 0 starts them from zero): pair q, dot(rows[q], x); pair Q,
   // sum(x^2) when kSumSq. `ahead` (or null) is asked into L2 at the same pace.
+  // Whole pairs and the short pair that may end a row run in separate bodies: with
+  // one body for both, GCC kept the sums in a stack array, zeroed it with `rep stos`
+  // and copied it in and out on every call (a third of GroupDots' samples, which is
+  // called once per block and tile of 512 elements).
   template <int Q, bool kSumSq>
   [[gnu::noinline]] static void GroupDots(const T* x, const T* ahead, const A* const* rows,
                                           int64_t d_begin, int64_t d_end, int64_t dim, A* sums) {
-    V acc[Q][2] = {}, sq[2] = {};
-    if (d_begin != 0) {
-      for (int q = 0; q < Q; ++q) {
-        acc[q][0] = LoadA(sums + 2 * q * kLanes);
-        acc[q][1] = LoadA(sums + (2 * q + 1) * kLanes);
-      }
-      if (kSumSq) {
-        sq[0] = LoadA(sums + 2 * Q * kLanes);
-        sq[1] = LoadA(sums + (2 * Q + 1) * kLanes);
+    const int64_t whole_end = d_begin + (d_end - d_begin) / kPair * kPair;
+    if (whole_end > d_begin) {
+      DotsSpan<Q, kSumSq>(x, ahead, rows, d_begin, whole_end,
+                          std::integral_constant<int64_t, kPair>{}, sums);
+    }
+    if (whole_end < d_end) ShortPairDots<Q, kSumSq>(x, rows, whole_end, dim - whole_end, sums);
+  }
+
+  template <int Q, bool kSumSq>
+  [[gnu::noinline]] static void ShortPairDots(const T* x, const A* const* rows, int64_t d,
+                                              int64_t n, A* sums) {
+    DotsSpan<Q, kSumSq>(x, nullptr, rows, d, d + kPair, n, sums);
+  }
+
+  // GroupDots' body over [d_begin, d_end) in steps of kPair, each step loading `n`
+  // elements of x (kPair, or fewer at a row's end, as ForEachPair's step).
+  template <int Q, bool kSumSq, typename Count>
+  ATTNRES_INLINE static void DotsSpan(const T* x, const T* ahead, const A* const* rows,
+                                      int64_t d_begin, int64_t d_end, Count n, A* sums) {
+    constexpr int kSums = kSumSq ? Q + 1 : Q;
+    V acc[kSums][2];
+    for (int q = 0; q < kSums; ++q) {
+      for (int h = 0; h < 2; ++h) {
+        acc[q][h] = d_begin != 0 ? LoadA(sums + (2 * q + h) * kLanes) : Splat(A(0));
       }
     }
-    R::ForEachPair(d_begin, d_end, dim, [&](int64_t d, auto n) ATTNRES_INLINE {
+    for (int64_t d = d_begin; d < d_end; d += kPair) {
       if (ahead != nullptr) R::template PrefetchSpan<kPair, 2>(ahead + d);
       V lo, hi;
       R::Load2(x + d, n, lo, hi);
       if (kSumSq) {
-        sq[0] += lo * lo;
-        sq[1] += hi * hi;
+        acc[Q][0] += lo * lo;
+        acc[Q][1] += hi * hi;
       }
       for (int q = 0; q < Q; ++q) {
         acc[q][0] += lo * LoadA(rows[q] + d);
         acc[q][1] += hi * LoadA(rows[q] + d + kLanes);
       }
-    });
-    for (int q = 0; q < Q; ++q) {
-      StoreA(sums + 2 * q * kLanes, acc[q][0]);
-      StoreA(sums + (2 * q + 1) * kLanes, acc[q][1]);
     }
-    if (kSumSq) {
-      StoreA(sums + 2 * Q * kLanes, sq[0]);
-      StoreA(sums + (2 * Q + 1) * kLanes, sq[1]);
+    for (int q = 0; q < kSums; ++q) {
+      for (int h = 0; h < 2; ++h) StoreA(sums + (2 * q + h) * kLanes, acc[q][h]);
     }
   }
 
@@ -244,6 +258,7 @@ struct PhaseScratch {
   void** outs;        // [S]: output rows of T, or U_s rows of A
   const T** src;      // [N]: this token's block rows
   T** dv;             // [N]: this token's block gradient rows (null: not wanted)
+  const T** later;    // [S]: the next token's grad_out rows (backward; null: none)
   A* g;               // [S, padded_dim]: the grad_out rows, widened
   A *z, *a, *dz;      // [S, N], query-major
   A *r, *b;           // [N]
@@ -257,7 +272,8 @@ struct PhaseScratch {
     outs = reinterpret_cast<void**>(bytes + 3 * S * pointer);
     src = reinterpret_cast<const T**>(bytes + 4 * S * pointer);
     dv = reinterpret_cast<T**>(bytes + (4 * S + N) * pointer);
-    const int64_t pointer_bytes = (4 * S + 2 * N) * pointer;
+    later = reinterpret_cast<const T**>(bytes + (4 * S + 2 * N) * pointer);
+    const int64_t pointer_bytes = (5 * S + 2 * N) * pointer;
     sums = reinterpret_cast<A*>(bytes + (pointer_bytes + 63) / 64 * 64);
     g = sums + N * kPhaseGroupSumsBytes / static_cast<int64_t>(sizeof(A));
     z = g + S * padded;
@@ -270,6 +286,16 @@ struct PhaseScratch {
 
 // ---- Phase 1 ----------------------------------------------------------------
 
+// Asks for lines [begin, end) of `rows` (row_lines 64-byte lines each, counted row
+// after row) into L2.
+template <typename T>
+void PrefetchLines(const T* const* rows, int64_t row_lines, int64_t begin, int64_t end) {
+  for (int64_t line = begin; line < end; ++line) {
+    const char* row = reinterpret_cast<const char*>(rows[line / row_lines]);
+    if (row != nullptr) __builtin_prefetch(row + line % row_lines * 64, 0, 2);
+  }
+}
+
 // Pass 1 of token t: r_i and z_{s,i} for every block i, with the backward's
 // dot(g_s, v_i) into dz when rows holds the g rows after the u rows (num_rows = 2S).
 // The rows of a group of queries (S rows of A: 55 KB at S = 6, D = 2304 fp32) do not
@@ -277,10 +303,12 @@ struct PhaseScratch {
 // blocks are read a tile of kTile elements at a time, every block's tile with the
 // group's tile of the rows from L1, each block's sums kept in `ws.sums` between
 // tiles (the same sums in the same order as whole rows). The first group also asks
-// for token t + 1's rows when it is below `end`, this chunk's end.
+// for token t + 1's rows when it is below `end`, this chunk's end, and the last
+// spreads over its calls the requests for the `later_count` rows `later` (the
+// backward: token t + 1's gradient rows, or null), a share of their lines per call.
 template <typename T>
 void Phase1Logits(const PhaseInfo& info, int64_t t, int64_t end, int64_t num_rows,
-                  PhaseScratch<T>& ws) {
+                  const T* const* later, int64_t later_count, PhaseScratch<T>& ws) {
   using R = PhaseRow<T>;
   using A = typename R::A;
   constexpr int64_t kTile = 16 * R::kPair;
@@ -290,13 +318,25 @@ void Phase1Logits(const PhaseInfo& info, int64_t t, int64_t end, int64_t num_row
   const A scale = static_cast<A>(info.scale), eps = static_cast<A>(info.eps);
   const int64_t stride = info.source_row_stride;
   for (int64_t i = 0; i < N; ++i) ws.src[i] = RowOf<T>(info.blocks[i], t, stride);
+  const int64_t row_lines = (dim * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  const int64_t calls = (dim + kTile - 1) / kTile * N;
+  // At most kMaxLinesPerCall requests per call, or none: asking for all of the next
+  // token's rows at S = 24, D = 7168 (43 lines per call, 344 KB) slowed the
+  // backward by 7% (the token's own rows, 1.5 MB, are in L2 too).
+  constexpr int64_t kMaxLinesPerCall = 16;
+  if (later_count * row_lines > kMaxLinesPerCall * calls) later = nullptr;
   for (int64_t k = 0; k < num_rows; k += kGroup) {
-    const bool first = k == 0;
+    const bool first = k == 0, last = k + kGroup >= num_rows;
     WithGroupSize(std::min<int64_t>(kGroup, num_rows - k), [&](auto group) {
       constexpr int Q = decltype(group)::value;
+      int64_t call = 0;
       for (int64_t d = 0; d < dim; d += kTile) {
         const int64_t d_end = std::min(d + kTile, dim);
-        for (int64_t i = 0; i < N; ++i) {
+        for (int64_t i = 0; i < N; ++i, ++call) {
+          if (last && later != nullptr) {
+            PrefetchLines(later, row_lines, later_count * row_lines * call / calls,
+                          later_count * row_lines * (call + 1) / calls);
+          }
           A* sums = ws.sums + i * kSumsStride;
           if (first) {
             const T* ahead = t + 1 < end ? ws.src[i] + stride : nullptr;
@@ -342,7 +382,7 @@ void Phase1Forward(const PhaseInfo& info, void* scratch, void*, int64_t begin, i
     ws.weights[s] = ws.a + s * N;
   }
   for (int64_t t = begin; t < end; ++t) {
-    Phase1Logits<T>(info, t, end, S, ws);
+    Phase1Logits<T>(info, t, end, S, nullptr, 0, ws);
     for (int64_t s = 0; s < S; ++s) {
       static_cast<A*>(info.query_lses[s])[t] = Phase1Weights(ws, s, N);
       ws.outs[s] = static_cast<T*>(info.query_outs[s]) + t * info.out_row_stride;
@@ -370,18 +410,23 @@ void Phase1Backward(const PhaseInfo& info, void* scratch, void* partials, int64_
     ws.weights[s] = ws.dz + s * N;  // c_{s,i}, for U_s
     ws.outs[s] = partials != nullptr ? static_cast<A*>(partials) + s * padded : nullptr;
   }
+  const auto grad_row = [&](int64_t s, int64_t t) -> const T* {
+    return info.grad_query_outs[s] != nullptr
+               ? RowOf<T>(info.grad_query_outs[s], t, info.grad_out_row_stride)
+               : nullptr;
+  };
   for (int64_t t = begin; t < end; ++t) {
     for (int64_t s = 0; s < S; ++s) {
-      const T* g = info.grad_query_outs[s] != nullptr
-                       ? RowOf<T>(info.grad_query_outs[s], t, info.grad_out_row_stride)
-                       : nullptr;
-      if (g != nullptr) {
+      if (const T* g = grad_row(s, t); g != nullptr) {
         R::Widen(ws.g + s * padded, g, dim);
       } else {
         std::memset(ws.g + s * padded, 0, padded * sizeof(A));
       }
+      // Read from memory without a request ahead, these rows had cost ~12% of the
+      // backward (4096 tokens, D = 2304, N = 9, S = 6, Xeon).
+      ws.later[s] = t + 1 < end ? grad_row(s, t + 1) : nullptr;
     }
-    Phase1Logits<T>(info, t, end, 2 * S, ws);
+    Phase1Logits<T>(info, t, end, 2 * S, ws.later, S, ws);
     for (int64_t i = 0; i < N; ++i) ws.b[i] = 0;
     for (int64_t s = 0; s < S; ++s) {
       Phase1Weights(ws, s, N);
