@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -42,8 +44,8 @@ def _worker(rank: int, port: int, out_path: str) -> None:
     attnres.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
         model, tokens = _make_model_and_batch()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         shard = tokens.chunk(WORLD_SIZE)[rank]
@@ -52,8 +54,11 @@ def _worker(rank: int, port: int, out_path: str) -> None:
             torch.save({k: v.detach() for k, v in model.state_dict().items()}, out_path)
         # Both ranks done before either tears down.
         dist.barrier()
-    finally:
         dist.destroy_process_group()
+    except BaseException:  # os._exit here too (test_fast_path.py, _ddp_worker)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     # Leave without the interpreter's teardown: under load a worker whose work had
     # finished sometimes aborted at exit ("terminate called without an active
     # exception", SIGABRT, from a C++ thread object still joinable while torch's

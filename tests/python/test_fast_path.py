@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import traceback
 
 import pytest
 import torch
@@ -498,22 +500,26 @@ def _lm_tokens():
 
 def _ddp_worker(rank: int, store_path: str, out_path: str) -> None:
     """One process of DDP (gloo) in a process of its own: torch 2.13's gloo workers can
-    deadlock against a process group destroyed right after a backward (the worker
-    frees the backward's allreduce, whose saved thread-local state holds a Python
-    object, so it waits for the GIL that ~ProcessGroupGloo holds while it joins the
-    worker). It hung CI one run in ten; here, as in test_ddp.py, the group is never
-    destroyed under a thread that holds the GIL: the process leaves with os._exit."""
+    deadlock against a process group freed right after a backward (the worker frees
+    the backward's allreduce, whose saved thread-local state holds a Python object, so
+    it waits for the GIL that ~ProcessGroupGloo holds while it joins the worker). It
+    hung CI one run in ten; here, as in test_ddp.py, the C++ group is never freed: DDP
+    holds it past destroy_process_group and the process leaves with os._exit, also
+    after an error (exit status 1, which fails mp.spawn in the test)."""
     from model_reference import lm_loss
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 1), rank=rank,
-                            world_size=1)
     try:
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, 1), rank=rank,
+                                world_size=1)
         model = _tiny_lm()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         with counting() as ran:
             lm_loss(ddp, _lm_tokens()).backward()
         torch.save({"ran": ran, "grads": [p.grad for p in model.parameters()]}, out_path)
-    finally:
         dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     os._exit(0)
 
 

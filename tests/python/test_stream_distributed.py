@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import traceback
 
 import pytest
 import torch
@@ -76,8 +78,8 @@ def _worker(rank: int, port: int, out_path: str, wrapper: str) -> None:
     attnres.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
         model, tokens = _make_model_and_batch()
         if wrapper == "ddp":
             wrapped = torch.nn.parallel.DistributedDataParallel(model)
@@ -95,8 +97,11 @@ def _worker(rank: int, port: int, out_path: str, wrapper: str) -> None:
         if rank == 0:
             torch.save(state, out_path)
         dist.barrier()
-    finally:
         dist.destroy_process_group()
+    except BaseException:  # os._exit here too (test_fast_path.py, _ddp_worker)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     os._exit(0)  # as in test_ddp.py: no interpreter teardown after the work is done
 
 
