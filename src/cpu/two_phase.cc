@@ -168,15 +168,15 @@ struct PhaseRow : Row<T> {
 
   // dv_i = b_i v_i + sum_s (alpha_{s,i} g_s + c_{s,i} u_s) (+ dv_i when kAccumulate)
   // for the Q block rows i0 .. i0 + Q - 1 (v, dv, b offset to i0; alpha, c are [S, n]
-  // offset to column i0; dv[j] null: row j not wanted, its sums are dropped), the
-  // rows g_s and u_s of A being `padded` apart. Runs of kGradVectors vectors
-  // outermost: every row after the first group of rows reads g_s and u_s from L1.
+  // offset to column i0; dv[j] null: row j not wanted, its sums are dropped), over
+  // the elements [d_begin, d_end) (as ForEachChunk's range), the rows g_s and u_s of
+  // A being `padded` apart. Runs of kGradVectors vectors outermost: within a tile of
+  // SourceGrads, every group of rows after the first reads g_s and u_s from L1.
   // Each run of g_s and u_s loaded serves the Q rows, with the weights broadcast
   // from memory: 2Q + 2K loads for 2QK multiply-adds (K vectors per run: 0.5 loads
   // per multiply-add at Q = K = 4), where one row and pair at a time took 2, and
   // this core sustains about one vector load per cycle against two multiply-adds.
   // kStream: every wanted dv row is aligned for StoreStream2 (and not accumulated into).
-  // Elements [d_begin, d_end) of the rows (as ForEachChunk's range).
   static constexpr int kGradVectors = kVectorBytes == 64 ? 4 : 2;
   template <int Q, bool kAccumulate, bool kStream>
   [[gnu::noinline]] static void GroupSourceGrads(T* const* dv, const T* const* v, const A* b,
