@@ -317,11 +317,11 @@ void PrefetchLines(const T* const* rows, int64_t row_lines, int64_t begin, int64
 // group's tile of the rows from L1, each block's sums kept in `ws.sums` between
 // tiles (the same sums in the same order as whole rows). The first group also asks
 // for token t + 1's rows when it is below `end`, this chunk's end, and the last
-// spreads over its calls the requests for the `later_count` rows `later` (the
-// backward: token t + 1's gradient rows, or null), a share of their lines per call.
+// spreads over its calls the requests for the S rows `later` (the backward: token
+// t + 1's gradient rows; null: none), a share of their lines per call.
 template <typename T>
 void Phase1Logits(const PhaseInfo& info, int64_t t, int64_t end, int64_t num_rows,
-                  const T* const* later, int64_t later_count, PhaseScratch<T>& ws) {
+                  const T* const* later, PhaseScratch<T>& ws) {
   using R = PhaseRow<T>;
   using A = typename R::A;
   constexpr int64_t kTile = 16 * R::kPair;
@@ -337,7 +337,8 @@ void Phase1Logits(const PhaseInfo& info, int64_t t, int64_t end, int64_t num_row
   // token's rows at S = 24, D = 7168 (43 lines per call, 344 KB) slowed the
   // backward by 7% (the token's own rows, 1.5 MB, are in L2 too).
   constexpr int64_t kMaxLinesPerCall = 16;
-  if (later_count * row_lines > kMaxLinesPerCall * calls) later = nullptr;
+  const int64_t later_lines = S * row_lines;
+  if (later_lines > kMaxLinesPerCall * calls) later = nullptr;
   for (int64_t k = 0; k < num_rows; k += kGroup) {
     const bool first = k == 0, last = k + kGroup >= num_rows;
     WithGroupSize(std::min<int64_t>(kGroup, num_rows - k), [&](auto group) {
@@ -347,8 +348,8 @@ void Phase1Logits(const PhaseInfo& info, int64_t t, int64_t end, int64_t num_row
         const int64_t d_end = std::min(d + kTile, dim);
         for (int64_t i = 0; i < N; ++i, ++call) {
           if (last && later != nullptr) {
-            PrefetchLines(later, row_lines, later_count * row_lines * call / calls,
-                          later_count * row_lines * (call + 1) / calls);
+            PrefetchLines(later, row_lines, later_lines * call / calls,
+                          later_lines * (call + 1) / calls);
           }
           A* sums = ws.sums + i * kSumsStride;
           if (first) {
@@ -395,7 +396,7 @@ void Phase1Forward(const PhaseInfo& info, void* scratch, void*, int64_t begin, i
     ws.weights[s] = ws.a + s * N;
   }
   for (int64_t t = begin; t < end; ++t) {
-    Phase1Logits<T>(info, t, end, S, nullptr, 0, ws);
+    Phase1Logits<T>(info, t, end, S, nullptr, ws);
     for (int64_t s = 0; s < S; ++s) {
       static_cast<A*>(info.query_lses[s])[t] = Phase1Weights(ws, s, N);
       ws.outs[s] = static_cast<T*>(info.query_outs[s]) + t * info.out_row_stride;
@@ -439,7 +440,7 @@ void Phase1Backward(const PhaseInfo& info, void* scratch, void* partials, int64_
       // backward (4096 tokens, D = 2304, N = 9, S = 6, Xeon).
       ws.later[s] = t + 1 < end ? grad_row(s, t + 1) : nullptr;
     }
-    Phase1Logits<T>(info, t, end, 2 * S, ws.later, S, ws);
+    Phase1Logits<T>(info, t, end, 2 * S, ws.later, ws);
     for (int64_t i = 0; i < N; ++i) ws.b[i] = 0;
     for (int64_t s = 0; s < S; ++s) {
       Phase1Weights(ws, s, N);
