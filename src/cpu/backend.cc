@@ -264,7 +264,10 @@ class Call {
     const int64_t tiles_in_flight = backward_ ? 2 : 1;
     acc_elems_ = backward_ ? tiles_in_flight * tile * padded : 0;
     const int64_t stats_elems = tiles_in_flight * 4 * tile * L;
-    per_thread_ = acc_elems_ + (stats_elems + 15) / 16 * 16;  // keep 64-byte alignment
+    // Pass 1's sums between the spans of its rows (kernel_table.h: PassOneSpanElems).
+    const bool spans = backward_ && p_.dim > PassOneSpanElems(acc_bytes_);
+    carry_elems_ = spans ? tiles_in_flight * tile * L * kDotsCarryBytes / acc_bytes_ : 0;
+    per_thread_ = acc_elems_ + carry_elems_ + (stats_elems + 15) / 16 * 16;  // keep 64-byte alignment
     const int64_t elems = padded + threads * per_thread_ + chunks * padded;
     base_ = static_cast<char*>(ThreadArena(elems * acc_bytes_));
     if (base_ == nullptr) {
@@ -282,7 +285,8 @@ class Call {
 
   Scratch ThreadScratch(int thread) const {
     char* base = base_ + (info_.padded_dim + thread * per_thread_) * acc_bytes_;
-    return Scratch{base, base + acc_elems_ * acc_bytes_, nullptr};
+    char* carry = base + acc_elems_ * acc_bytes_;
+    return Scratch{base, carry + carry_elems_ * acc_bytes_, nullptr, carry_elems_ > 0 ? carry : nullptr};
   }
 
   void* ChunkU(int64_t chunk) const { return u_rows_ + chunk * info_.padded_dim * acc_bytes_; }
@@ -298,7 +302,7 @@ class Call {
   int64_t acc_bytes_ = 4;
   bool backward_ = false;
   const KernelTable* table_ = nullptr;  // the variant this call runs
-  int64_t acc_elems_ = 0, per_thread_ = 0;
+  int64_t acc_elems_ = 0, carry_elems_ = 0, per_thread_ = 0;
   char* base_ = nullptr;    // the thread arena
   char* u_rows_ = nullptr;  // [chunks, padded_dim]
 };

@@ -51,12 +51,14 @@ struct BlockRow : Row<T> {
   // Pass 2 reads only from cache, so memory would idle while it computes: it asks
   // for the rows that pass 1 of this thread's next tile reads, at the pace and
   // positions it reads its own (token j's chunk d of source i: the next tile's
-  // token j, chunk d of source i), into L2. `prefetch_offset` < 0: none.
+  // token j, chunk d of source i), into L2; the row's last chunk asks for its
+  // last line too. `prefetch_offset` < 0: none.
   template <int K>
-  static void PrefetchChunk(const void* source, int64_t prefetch_offset, int64_t d) {
+  static void PrefetchChunk(const void* source, int64_t prefetch_offset, int64_t d, int64_t dim) {
     if (prefetch_offset < 0) return;
     const T* p = static_cast<const T*>(source) + prefetch_offset;
     R::template PrefetchSpan<K * kLanes, 2>(p + d);
+    if (d + K * kLanes >= dim) R::template PrefetchRowEnd<2>(p, dim);
   }
 
   // Forward pass 2 of one token: out = sum_i alpha_i v_i over the L source rows at
@@ -69,7 +71,7 @@ struct BlockRow : Row<T> {
       constexpr int K = decltype(vectors)::value;
       V sum[K] = {};
       for (int64_t i = 0; i < num_sources; ++i) {
-        BlockRow::template PrefetchChunk<K>(sources[i], prefetch_offset, d);
+        BlockRow::template PrefetchChunk<K>(sources[i], prefetch_offset, d, dim);
         const T* x = static_cast<const T*>(sources[i]) + offset + d;
         const V weight = Splat(alpha[i]);
         V xv[K];
@@ -100,7 +102,7 @@ struct BlockRow : Row<T> {
         wgv[k] = LoadA(wg + d + k * kLanes);
       }
       for (int64_t i = 0; i < num_sources; ++i) {
-        BlockRow::template PrefetchChunk<K>(sources[i], prefetch_offset, d);
+        BlockRow::template PrefetchChunk<K>(sources[i], prefetch_offset, d, dim);
         const T* x = static_cast<const T*>(sources[i]) + offset + d;
         V xv[K];
         R::template LoadChunk<K>(x, n, xv);
@@ -183,7 +185,8 @@ void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin
       next[q] = row(r + kRows + q);
     }
     A sum_sq[kRows] = {}, dot[kRows];
-    R::template Dots<kRows, kRmsNorm, false>(x, next, nullptr, wg, nullptr, dim, sum_sq, dot, nullptr);
+    R::template Dots<kRows, kRmsNorm, false>(x, next, nullptr, wg, nullptr, 0, dim, dim, nullptr, sum_sq, dot,
+                                             nullptr);
     for (int q = 0; q < kRows; ++q) {
       const int64_t i = (r + q) / n, j = (r + q) % n;
       const A rms = kRmsNorm ? math::Rms(sum_sq[q], dim, eps) : A(1);
@@ -234,6 +237,7 @@ class BackwardPipeline {
   BackwardPipeline(const CallInfo& info, const Scratch& scratch)
       : info_(info), dim_(info.dim), L_(info.num_sources),
         padded_(info.padded_dim), tile_tokens_(info.tile_tokens),
+        span_(PassOneSpanElems(sizeof(A))), spans_((info.dim + span_ - 1) / span_),
         wg_(static_cast<const A*>(info.wg)), u_(static_cast<A*>(scratch.u)),
         grad_out_(static_cast<const T*>(info_.grad_out)),
         rms_cache_(static_cast<const A*>(info_.rms_cache)),
@@ -242,6 +246,9 @@ class BackwardPipeline {
       tiles_[k].g = static_cast<A*>(scratch.acc) + k * tile_tokens_ * padded_;
       tiles_[k].st = Stats<A>(static_cast<A*>(scratch.stats) + k * 4 * tile_tokens_ * L_,
                               tile_tokens_, L_);
+      if (spans_ > 1) {
+        tiles_[k].carry = static_cast<char*>(scratch.carry) + k * tile_tokens_ * L_ * kDotsCarryBytes;
+      }
     }
     bool stream = info.stream_stores;
     for (int64_t i = 0; i < L_; ++i) {
@@ -256,9 +263,10 @@ class BackwardPipeline {
     const int64_t num_tiles = (end - begin + tile_tokens_ - 1) / tile_tokens_;
     const int64_t chunks = (dim_ + R::kChunkElems - 1) / R::kChunkElems;
     Tile* first = Start(0, begin, end);
-    for (int64_t r = 0; r < L_ * first->n; ++r) {  // pass 1 of tile 0, on its own,
-      const int64_t t = first->begin + tile_tokens_ + r % first->n;  // asking for tile 1
-      PassOneRow(*first, r, t < info_.num_tokens ? Source(r / first->n) + t * info_.source_row_stride : nullptr);
+    const int64_t first_rows = L_ * first->n;
+    for (int64_t u = 0; u < first_rows * spans_; ++u) {  // pass 1 of tile 0, on its own,
+      const int64_t r = u % first_rows, t = first->begin + tile_tokens_ + r % first->n;  // asking for tile 1
+      PassOneSpan(*first, u, t < info_.num_tokens ? Source(r / first->n) + t * info_.source_row_stride : nullptr);
     }
     for (int64_t k = 0; k < num_tiles; ++k) {
       Tile& cur = tiles_[k % 2];
@@ -270,19 +278,20 @@ class BackwardPipeline {
       // static schedule; nothing past the last token is asked for.
       const int64_t after_next = cur.begin + cur.n + tile_tokens_;
       // Pass 2 of `cur` in units of one chunk of one token; before unit u, the
-      // first rows * u / units rows of the next tile's pass 1 are done.
-      const int64_t rows = next != nullptr ? L_ * next->n : 0, units = cur.n * chunks;
+      // first rows * u / units spans of rows of the next tile's pass 1 are done.
+      const int64_t next_rows = next != nullptr ? L_ * next->n : 0;
+      const int64_t rows = next_rows * spans_, units = cur.n * chunks;
       int64_t rows_done = 0;
       for (int64_t j = 0; j < cur.n; ++j) {
         for (int64_t c = 0; c < chunks;) {
           const int64_t unit = j * chunks + c;
           for (; rows_done < rows * unit / units; ++rows_done) {
             // Rows r < next->n are source 0's, of token r: tile k + 2's token r.
-            const int64_t t = after_next + rows_done;
-            const bool source_0 = rows_done < next->n;
-            PassOneRow(*next, rows_done, source_0 && t < info_.num_tokens
-                                             ? grad_out_ + t * info_.grad_out_row_stride
-                                             : nullptr);
+            const int64_t r = rows_done % next_rows, t = after_next + r;
+            const bool source_0 = r < next->n;
+            PassOneSpan(*next, rows_done, source_0 && t < info_.num_tokens
+                                              ? grad_out_ + t * info_.grad_out_row_stride
+                                              : nullptr);
           }
           // Up to the unit where the next row is due (at least one chunk).
           const int64_t due = rows_done < rows ? ((rows_done + 1) * units + rows - 1) / rows : units;
@@ -293,7 +302,7 @@ class BackwardPipeline {
           c = c_end;
         }
       }
-      for (; rows_done < rows; ++rows_done) PassOneRow(*next, rows_done, nullptr);
+      for (; rows_done < rows; ++rows_done) PassOneSpan(*next, rows_done, nullptr);
     }
     if (stream_) R::FenceStreams();
   }
@@ -303,6 +312,7 @@ class BackwardPipeline {
     int64_t begin = 0, n = 0;  // tokens [begin, begin + n)
     A* g = nullptr;            // [tile_tokens, padded_dim]: the grad_out rows, widened
     Stats<A> st;
+    char* carry = nullptr;     // [tile_tokens * L] of kDotsCarryBytes: sums between spans
   };
 
   const T* Source(int64_t i) const { return static_cast<const T*>(info_.sources[i]); }
@@ -318,23 +328,32 @@ class BackwardPipeline {
     return &tile;
   }
 
-  // Pass 1 of row r of a tile, source by source (i = r / n, token j = r % n): its
-  // three dot products. The next row is prefetched into L1, `ahead` (or null)
-  // into L2.
-  void PassOneRow(Tile& tile, int64_t r, const T* ahead) {
-    const int64_t i = r / tile.n, j = r % tile.n;
+  // Pass 1 of a tile in units of one span of one row: unit u is span u / rows of
+  // row r = u % rows (rows = L * n, source by source: i = r / n, token j = r % n),
+  // so that every row reads the same span of wg and of its g row from L1 (whole
+  // rows of fp32 at D >= 3584 overflowed it with x, wg and g: the backward ran
+  // 1.35x as long per byte as at D = 3072). The last span of a row ends its three
+  // dot products. The next unit's row is prefetched into L1, `ahead` (or null)
+  // into L2, over the same span.
+  void PassOneSpan(Tile& tile, int64_t u, const T* ahead) {
+    const int64_t rows = L_ * tile.n, r = u % rows, i = r / tile.n, j = r % tile.n;
+    const int64_t d_begin = u / rows * span_, d_end = std::min(d_begin + span_, dim_);
     const T* x = Source(i) + (tile.begin + j) * info_.source_row_stride;
-    const T* next = r + 1 < L_ * tile.n
+    const T* next = r + 1 < rows
                         ? Source((r + 1) / tile.n) + (tile.begin + (r + 1) % tile.n) * info_.source_row_stride
                         : x;
     const A* g = tile.g + j * padded_;
+    auto* carry = spans_ > 1 ? reinterpret_cast<typename R::V*>(tile.carry + r * kDotsCarryBytes) : nullptr;
     const bool need_sum_sq = kRmsNorm && rms_cache_ == nullptr;
     A sum_sq = 0, dot_wg = 0, dot_g = 0;
     if (need_sum_sq) {
-      R::template Dots<1, true, true>(&x, &next, ahead, wg_, g, dim_, &sum_sq, &dot_wg, &dot_g);
+      R::template Dots<1, true, true>(&x, &next, ahead, wg_, g, d_begin, d_end, dim_, carry, &sum_sq,
+                                      &dot_wg, &dot_g);
     } else {
-      R::template Dots<1, false, true>(&x, &next, ahead, wg_, g, dim_, nullptr, &dot_wg, &dot_g);
+      R::template Dots<1, false, true>(&x, &next, ahead, wg_, g, d_begin, d_end, dim_, carry, nullptr,
+                                       &dot_wg, &dot_g);
     }
+    if (d_end < dim_) return;
     A rms = 1;
     if (kRmsNorm) {
       rms = need_sum_sq ? math::Rms(sum_sq, dim_, static_cast<A>(info_.eps))
@@ -390,6 +409,7 @@ class BackwardPipeline {
 
   const CallInfo& info_;
   const int64_t dim_, L_, padded_, tile_tokens_;
+  const int64_t span_, spans_;  // pass 1's span of a row (elements) and spans per row
   const A* wg_;
   A* u_;  // this chunk's U, or null
   const T* grad_out_;

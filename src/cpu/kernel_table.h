@@ -56,7 +56,17 @@ struct Scratch {
   void* acc;    // [2, tile, padded_dim] (backward): two tiles' grad_out rows in A
   void* stats;  // [4, tile, L] (forward), [2, 4, tile, L] (backward): z, r, alpha, dot(g, v)
   void* u;      // [padded_dim] (backward): this chunk's share of U, or null for no dw/dgamma
+  void* carry;  // [2, tile, L] of kDotsCarryBytes (backward, dim > PassOneSpanElems): the
+                // sums of pass 1's rows between spans
 };
+
+// The backward's pass 1 reads rows longer than this many elements a span at a time
+// (block_attn_res.cc: BackwardPipeline), so that the spans of wg and g that every
+// row reads stay in L1; the sums of each row wait in Scratch::carry between spans.
+inline int64_t PassOneSpanElems(int64_t acc_bytes) { return 8192 / acc_bytes; }
+// One row's sums between spans (simd-inl.h: Row::Dots): 3 sums of 4 vectors of
+// 64 bytes at most.
+constexpr int64_t kDotsCarryBytes = 3 * 4 * 64;
 
 // Tokens [begin, end) of one call. Forward: one tile (end - begin <= tile_tokens),
 // writes out and the requested caches. Backward: one chunk (backend.cc, the unit

@@ -344,17 +344,37 @@ struct Row {
   // Asks for the cache lines of p[0, count), count a compile-time multiple of a
   // vector: one prefetch per 64 bytes (at least one), no run-time tests.
   // kLocality 3 asks for L1 (the row read next), 2 for L2 (rows read a tile later).
+  // A row that does not start on a line has one line more than its spans ask for:
+  // its last, which PrefetchRowEnd asks for. Left to a demand miss, that line
+  // stalled every row for a full memory latency (D = 1024 bf16 rows 16 bytes past
+  // a line, L = 33: the forward took 1.6x as long as with aligned rows).
   static constexpr int64_t kLineElems = 64 / sizeof(T);
   template <int64_t kCount, int kLocality = 3>
   static void PrefetchSpan(const T* p) {
     for (int64_t e = 0; e < kCount; e += kLineElems) __builtin_prefetch(p + e, 0, kLocality);
   }
+  template <int kLocality = 3>
+  static void PrefetchRowEnd(const T* row, int64_t dim) {
+    __builtin_prefetch(row + dim - 1, 0, kLocality);
+  }
 
-  // One read of each of the kRows rows x[r]: sum(x^2) (if kSumSq), dot(wg, x), and
-  // dot(g, x) (if kDotG), prefetching next[r], the row the caller reads after it, at
-  // the same pace, into L1, and `ahead` (one-row calls: a row read a tile or two
-  // later, or null) into L2. Each row's sums are those of a one-row call, bit for
-  // bit; two rows at once share every load of wg (and g).
+  // Independent accumulators per sum of Dots, so that no FMA waits for the one
+  // before it: one per vector of an iteration where there are registers for them
+  // (two chained FMAs per accumulator and iteration had made the loop
+  // latency-bound). kDotsCarry vectors hold one row's sums between two spans.
+  static constexpr int kDotsAcc = kVectorBytes == 64 ? 4 : 2;
+  static constexpr int kDotsCarry = 3 * kDotsAcc;
+  static_assert(kDotsCarry * sizeof(V) <= kDotsCarryBytes);
+
+  // One read of elements [d_begin, d_end) of each of the kRows rows x[r]: sum(x^2)
+  // (if kSumSq), dot(wg, x), and dot(g, x) (if kDotG), prefetching next[r], the row
+  // the caller reads after it, at the same pace and positions, into L1, and `ahead`
+  // (one-row calls: a row read a tile or two later, or null) into L2. Each row's
+  // sums are those of a one-row call over the whole row, bit for bit; two rows at
+  // once share every load of wg (and g).
+  // A row may be read in spans (d_begin and d_end multiples of 4 * kLanes, or d_end
+  // = dim): the unfinished sums wait in carry[r * kDotsCarry, ...) between calls,
+  // and the results are written by the call that reaches dim.
   // The hardware prefetchers alone leave too few lines in flight once a loop does
   // more than load (in a standalone test, 0.7-0.9 of a plain sum's bandwidth, and
   // 0.98 with this prefetch); one row ahead (1.5-16 KB) covers the latency.
@@ -363,13 +383,19 @@ struct Row {
   // iteration that cost ~3x. One call per row of D elements is free in comparison.
   template <int kRows, bool kSumSq, bool kDotG>
   [[gnu::noinline]] static void Dots(const T* const* x, const T* const* next, const T* ahead,
-                                     const A* wg, const A* g, int64_t dim, A* sum_sq, A* dot_wg,
-                                     A* dot_g) {
-    // Independent accumulators, so that no FMA waits for the one before it: one
-    // per vector of an iteration where there are registers for them (two chained
-    // FMAs per accumulator and iteration had made the loop latency-bound).
-    constexpr int kAcc = kVectorBytes == 64 ? 4 : 2;
+                                     const A* wg, const A* g, int64_t d_begin, int64_t d_end,
+                                     int64_t dim, V* carry, A* sum_sq, A* dot_wg, A* dot_g) {
+    constexpr int kAcc = kDotsAcc;
     V sq[kRows][kAcc] = {}, w[kRows][kAcc] = {}, gx[kRows][kAcc] = {};
+    if (d_begin > 0) {
+      for (int r = 0; r < kRows; ++r) {
+        for (int a = 0; a < kAcc; ++a) {
+          sq[r][a] = carry[r * kDotsCarry + a];
+          w[r][a] = carry[r * kDotsCarry + kAcc + a];
+          gx[r][a] = carry[r * kDotsCarry + 2 * kAcc + a];
+        }
+      }
+    }
     // With several rows, one load of wg (g) into a register for all of them; with one,
     // the load folded into its multiply-add.
     const auto load = [](const A* p) { return kRows > 1 ? LoadAOnce(p) : LoadA(p); };
@@ -385,10 +411,14 @@ struct Row {
         for (int r = 0; r < kRows; ++r) { gx[r][a] += x0[r] * g0; gx[r][a + 1] += x1[r] * g1; }
       }
     };
-    int64_t d = 0;
+    if (d_end == dim) {
+      for (int r = 0; r < kRows; ++r) PrefetchRowEnd(next[r], dim);
+      if (ahead != nullptr) PrefetchRowEnd<2>(ahead, dim);
+    }
+    int64_t d = d_begin;
     // Four vectors per iteration (a whole line of bf16 on AVX2): fewer loop and
     // prefetch-test instructions per byte.
-    for (; d + 4 * kLanes <= dim; d += 4 * kLanes) {
+    for (; d + 4 * kLanes <= d_end; d += 4 * kLanes) {
       V x0[kRows], x1[kRows], x2[kRows], x3[kRows];
       for (int r = 0; r < kRows; ++r) {
         PrefetchSpan<4 * kLanes>(next[r] + d);
@@ -398,6 +428,16 @@ struct Row {
       add(0, d, x0, x1);
       for (int r = 0; r < kRows; ++r) E::Load2(x[r] + d + 2 * kLanes, x2[r], x3[r]);
       add(kAcc - 2, d + 2 * kLanes, x2, x3);
+    }
+    if (d_end < dim) {
+      for (int r = 0; r < kRows; ++r) {
+        for (int a = 0; a < kAcc; ++a) {
+          carry[r * kDotsCarry + a] = sq[r][a];
+          carry[r * kDotsCarry + kAcc + a] = w[r][a];
+          carry[r * kDotsCarry + 2 * kAcc + a] = gx[r][a];
+        }
+      }
+      return;
     }
     for (; d < dim; d += kPair) {  // the last pair, whole or short
       V x0[kRows], x1[kRows];

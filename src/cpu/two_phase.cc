@@ -73,6 +73,7 @@ struct PhaseRow : Row<T> {
                           std::integral_constant<int64_t, kPair>{}, sums);
     }
     if (whole_end < d_end) ShortPairDots<Q, kSumSq>(x, rows, whole_end, dim - whole_end, sums);
+    if (ahead != nullptr && d_end == dim) R::template PrefetchRowEnd<2>(ahead, dim);
   }
 
   template <int Q, bool kSumSq>
@@ -299,13 +300,14 @@ struct PhaseScratch {
 
 // ---- Phase 1 ----------------------------------------------------------------
 
-// Asks for lines [begin, end) of `rows` (row_lines 64-byte lines each, counted row
-// after row) into L2.
+// Asks for lines [begin, end) of `rows` (row_lines lines each, counted row after
+// row; line k of a row is the one holding byte min(64 k, row_bytes - 1)) into L2.
 template <typename T>
-void PrefetchLines(const T* const* rows, int64_t row_lines, int64_t begin, int64_t end) {
+void PrefetchLines(const T* const* rows, int64_t row_lines, int64_t row_bytes, int64_t begin,
+                   int64_t end) {
   for (int64_t line = begin; line < end; ++line) {
     const char* row = reinterpret_cast<const char*>(rows[line / row_lines]);
-    if (row != nullptr) __builtin_prefetch(row + line % row_lines * 64, 0, 2);
+    if (row != nullptr) __builtin_prefetch(row + std::min(line % row_lines * 64, row_bytes - 1), 0, 2);
   }
 }
 
@@ -331,7 +333,13 @@ void Phase1Logits(const PhaseInfo& info, int64_t t, int64_t end, int64_t num_row
   const A scale = static_cast<A>(info.scale), eps = static_cast<A>(info.eps);
   const int64_t stride = info.source_row_stride;
   for (int64_t i = 0; i < N; ++i) ws.src[i] = RowOf<T>(info.blocks[i], t, stride);
-  const int64_t row_lines = (dim * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  // A row that does not start on a line spans one line more.
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
+  bool misaligned = false;
+  for (int64_t s = 0; later != nullptr && s < S; ++s) {
+    misaligned = misaligned || reinterpret_cast<uintptr_t>(later[s]) % 64 != 0;
+  }
+  const int64_t row_lines = (row_bytes + 63) / 64 + (misaligned ? 1 : 0);
   const int64_t calls = (dim + kTile - 1) / kTile * N;
   // At most kMaxLinesPerCall requests per call, or none: asking for all of the next
   // token's rows at S = 24, D = 7168 (43 lines per call, 344 KB) slowed the
@@ -348,7 +356,7 @@ void Phase1Logits(const PhaseInfo& info, int64_t t, int64_t end, int64_t num_row
         const int64_t d_end = std::min(d + kTile, dim);
         for (int64_t i = 0; i < N; ++i, ++call) {
           if (last && later != nullptr) {
-            PrefetchLines(later, row_lines, later_lines * call / calls,
+            PrefetchLines(later, row_lines, row_bytes, later_lines * call / calls,
                           later_lines * (call + 1) / calls);
           }
           A* sums = ws.sums + i * kSumsStride;
