@@ -11,8 +11,9 @@
 //   pass 1 - reads every source row of the tile once from memory, source by source
 //            (all of the tile's rows of source 0, then of source 1, ...), each row
 //            prefetching the next; it computes sum(v^2), dot(wg, v) and, in the
-//            backward, dot(g, v). A tile is small (backend.cc: k*TileSourceBytes)
-//            so that pass 2 finds its rows in L1/L2.
+//            backward, dot(g, v); long rows a span at a time, every row's span in
+//            turn (kernel_table.h: PassOneSpan). A tile is small (backend.cc:
+//            k*TileSourceBytes) so that pass 2 finds its rows in L1/L2.
 //   then   - the softmax (forward) or its backward, a few scalars per source;
 //   pass 2 - token by token, rereads the tile's sources from cache, a chunk of a few
 //            vectors of every source at a time with the sums in registers:
@@ -166,27 +167,34 @@ void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin
   Stats<A> st(scratch.stats, info.tile_tokens, L);
 
   // Pass 1: the logits, row by row in source-major order (row r: source r / n,
-  // token r % n). 16-bit rows go two per Dots call, sharing its loads of wg: their
-  // widening makes the one-row loop load- and shuffle-bound on a Zen 1 (pairs:
-  // forward 1.16x at 8192 tokens, 1 thread); fp32 rows, twice the bytes, were 5%
-  // slower in pairs there.
+  // token r % n), rows longer than info.pass_one_span a span at a time, every row's
+  // span in turn (the span of wg stays in L1: fp32 D = 8192 in whole rows ran 1.3x
+  // as long per byte as D = 4096). 16-bit rows go two per Dots call, sharing its
+  // loads of wg: their widening makes the one-row loop load- and shuffle-bound on a
+  // Zen 1 (pairs: forward 1.16x at 8192 tokens, 1 thread); fp32 rows, twice the
+  // bytes, were 5% slower in pairs there.
   const T* after_last = NextTileRow<T>(info, begin, end);
   const int64_t rows = L * n;
+  const int64_t span = info.pass_one_span, spans = (dim + span - 1) / span;
+  auto* carry = static_cast<typename R::V*>(scratch.carry);  // null when spans == 1
   const auto row = [&](int64_t r) {
     return r < rows ? static_cast<const T*>(info.sources[r / n]) + (begin + r % n) * info.source_row_stride
                     : after_last;
   };
-  const auto logits = [&](int64_t r, auto row_count) {
+  const auto logits = [&](int64_t k, int64_t r, auto row_count) {
     constexpr int kRows = decltype(row_count)::value;
+    const int64_t d_begin = k * span, d_end = std::min(d_begin + span, dim);
     const T* x[kRows];
-    const T* next[kRows];  // each row prefetches the row kRows after it
+    const T* next[kRows];  // each row prefetches the row kRows after it in this span
     for (int q = 0; q < kRows; ++q) {
       x[q] = row(r + q);
-      next[q] = row(r + kRows + q);
+      next[q] = r + kRows + q < rows || d_end == dim ? row(r + kRows + q) : x[q];
     }
     A sum_sq[kRows] = {}, dot[kRows];
-    R::template Dots<kRows, kRmsNorm, false>(x, next, nullptr, wg, nullptr, 0, dim, dim, nullptr, sum_sq, dot,
-                                             nullptr);
+    R::template Dots<kRows, kRmsNorm, false>(x, next, nullptr, wg, nullptr, d_begin, d_end, dim,
+                                             spans > 1 ? carry + r * R::kDotsCarry : nullptr,
+                                             sum_sq, dot, nullptr);
+    if (d_end < dim) return;
     for (int q = 0; q < kRows; ++q) {
       const int64_t i = (r + q) / n, j = (r + q) % n;
       const A rms = kRmsNorm ? math::Rms(sum_sq[q], dim, eps) : A(1);
@@ -194,11 +202,13 @@ void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin
       st.r[j * L + i] = rms;
     }
   };
-  int64_t r = 0;
-  if constexpr (sizeof(T) == 2) {
-    for (; r + 2 <= rows; r += 2) logits(r, std::integral_constant<int, 2>{});
+  for (int64_t k = 0; k < spans; ++k) {
+    int64_t r = 0;
+    if constexpr (sizeof(T) == 2) {
+      for (; r + 2 <= rows; r += 2) logits(k, r, std::integral_constant<int, 2>{});
+    }
+    for (; r < rows; ++r) logits(k, r, std::integral_constant<int, 1>{});
   }
-  for (; r < rows; ++r) logits(r, std::integral_constant<int, 1>{});
 
   // Softmax, caches, and pass 2: the weighted sum, token by token.
   T* out = static_cast<T*>(info.out);
@@ -232,12 +242,13 @@ template <typename T, bool kRmsNorm>
 class BackwardPipeline {
   using R = BlockRow<T>;
   using A = typename R::A;
+  using V = typename R::V;
 
  public:
   BackwardPipeline(const CallInfo& info, const Scratch& scratch)
       : info_(info), dim_(info.dim), L_(info.num_sources),
         padded_(info.padded_dim), tile_tokens_(info.tile_tokens),
-        span_(PassOneSpanElems(sizeof(A))), spans_((info.dim + span_ - 1) / span_),
+        span_(info.pass_one_span), spans_((info.dim + span_ - 1) / span_),
         wg_(static_cast<const A*>(info.wg)), u_(static_cast<A*>(scratch.u)),
         grad_out_(static_cast<const T*>(info_.grad_out)),
         rms_cache_(static_cast<const A*>(info_.rms_cache)),
@@ -246,9 +257,7 @@ class BackwardPipeline {
       tiles_[k].g = static_cast<A*>(scratch.acc) + k * tile_tokens_ * padded_;
       tiles_[k].st = Stats<A>(static_cast<A*>(scratch.stats) + k * 4 * tile_tokens_ * L_,
                               tile_tokens_, L_);
-      if (spans_ > 1) {
-        tiles_[k].carry = static_cast<char*>(scratch.carry) + k * tile_tokens_ * L_ * kDotsCarryBytes;
-      }
+      if (spans_ > 1) tiles_[k].carry = static_cast<V*>(scratch.carry) + k * tile_tokens_ * L_ * R::kDotsCarry;
     }
     bool stream = info.stream_stores;
     for (int64_t i = 0; i < L_; ++i) {
@@ -266,7 +275,7 @@ class BackwardPipeline {
     const int64_t first_rows = L_ * first->n;
     for (int64_t u = 0; u < first_rows * spans_; ++u) {  // pass 1 of tile 0, on its own,
       const int64_t r = u % first_rows, t = first->begin + tile_tokens_ + r % first->n;  // asking for tile 1
-      PassOneSpan(*first, u, t < info_.num_tokens ? Source(r / first->n) + t * info_.source_row_stride : nullptr);
+      PassOneUnit(*first, u, t < info_.num_tokens ? Source(r / first->n) + t * info_.source_row_stride : nullptr);
     }
     for (int64_t k = 0; k < num_tiles; ++k) {
       Tile& cur = tiles_[k % 2];
@@ -289,7 +298,7 @@ class BackwardPipeline {
             // Rows r < next->n are source 0's, of token r: tile k + 2's token r.
             const int64_t r = rows_done % next_rows, t = after_next + r;
             const bool source_0 = r < next->n;
-            PassOneSpan(*next, rows_done, source_0 && t < info_.num_tokens
+            PassOneUnit(*next, rows_done, source_0 && t < info_.num_tokens
                                               ? grad_out_ + t * info_.grad_out_row_stride
                                               : nullptr);
           }
@@ -302,7 +311,7 @@ class BackwardPipeline {
           c = c_end;
         }
       }
-      for (; rows_done < rows; ++rows_done) PassOneSpan(*next, rows_done, nullptr);
+      for (; rows_done < rows; ++rows_done) PassOneUnit(*next, rows_done, nullptr);
     }
     if (stream_) R::FenceStreams();
   }
@@ -312,7 +321,7 @@ class BackwardPipeline {
     int64_t begin = 0, n = 0;  // tokens [begin, begin + n)
     A* g = nullptr;            // [tile_tokens, padded_dim]: the grad_out rows, widened
     Stats<A> st;
-    char* carry = nullptr;     // [tile_tokens * L] of kDotsCarryBytes: sums between spans
+    V* carry = nullptr;        // [tile_tokens * L, kDotsCarry]: pass 1's sums between spans
   };
 
   const T* Source(int64_t i) const { return static_cast<const T*>(info_.sources[i]); }
@@ -335,7 +344,7 @@ class BackwardPipeline {
   // 1.35x as long per byte as at D = 3072). The last span of a row ends its three
   // dot products. The next unit's row is prefetched into L1, `ahead` (or null)
   // into L2, over the same span.
-  void PassOneSpan(Tile& tile, int64_t u, const T* ahead) {
+  void PassOneUnit(Tile& tile, int64_t u, const T* ahead) {
     const int64_t rows = L_ * tile.n, r = u % rows, i = r / tile.n, j = r % tile.n;
     const int64_t d_begin = u / rows * span_, d_end = std::min(d_begin + span_, dim_);
     const T* x = Source(i) + (tile.begin + j) * info_.source_row_stride;
@@ -343,7 +352,7 @@ class BackwardPipeline {
                         ? Source((r + 1) / tile.n) + (tile.begin + (r + 1) % tile.n) * info_.source_row_stride
                         : x;
     const A* g = tile.g + j * padded_;
-    auto* carry = spans_ > 1 ? reinterpret_cast<typename R::V*>(tile.carry + r * kDotsCarryBytes) : nullptr;
+    V* carry = spans_ > 1 ? tile.carry + r * R::kDotsCarry : nullptr;
     const bool need_sum_sq = kRmsNorm && rms_cache_ == nullptr;
     A sum_sq = 0, dot_wg = 0, dot_g = 0;
     if (need_sum_sq) {

@@ -45,6 +45,7 @@ struct CallInfo : RowsInfo {
   // Prepared by the dispatcher.
   int64_t num_sources;         // L
   int64_t tile_tokens;         // tokens per tile: pass 2 rereads the tile's rows from cache
+  int64_t pass_one_span;       // elements of a row pass 1 reads at a time (PassOneSpan)
   const void* const* sources;  // [L] blocks then partial
   void* const* grad_sources;   // [L] (backward; entries may be null)
   bool stream_stores;          // write out / dv rows with non-temporal stores
@@ -56,14 +57,20 @@ struct Scratch {
   void* acc;    // [2, tile, padded_dim] (backward): two tiles' grad_out rows in A
   void* stats;  // [4, tile, L] (forward), [2, 4, tile, L] (backward): z, r, alpha, dot(g, v)
   void* u;      // [padded_dim] (backward): this chunk's share of U, or null for no dw/dgamma
-  void* carry;  // [2, tile, L] of kDotsCarryBytes (backward, dim > PassOneSpanElems): the
-                // sums of pass 1's rows between spans
+  void* carry;  // [tiles in flight (1 forward, 2 backward), tile, L] of kDotsCarryBytes,
+                // when pass_one_span < dim: the sums of pass 1's rows between spans
 };
 
-// The backward's pass 1 reads rows longer than this many elements a span at a time
-// (block_attn_res.cc: BackwardPipeline), so that the spans of wg and g that every
-// row reads stay in L1; the sums of each row wait in Scratch::carry between spans.
-inline int64_t PassOneSpanElems(int64_t acc_bytes) { return 8192 / acc_bytes; }
+// Pass 1 of both ops reads every row with wg (the backward with its g row too):
+// `row_bytes` bytes of rows per element for one Dots call. While a whole row's
+// worth fits in 32 KB of L1 a row is read whole; past that, a span of 24 KB of it
+// at a time, every row's span in turn (block_attn_res.cc), so that the spans of wg
+// and g stay in L1. Spans are multiples of 64 elements (of every variant's step).
+constexpr int64_t kPassOneWholeRowBytes = 32 * 1024, kPassOneSpanBytes = 24 * 1024;
+inline int64_t PassOneSpan(int64_t dim, int64_t row_bytes) {
+  if (dim * row_bytes <= kPassOneWholeRowBytes) return dim;
+  return kPassOneSpanBytes / row_bytes / 64 * 64;
+}
 // One row's sums between spans (simd-inl.h: Row::Dots): 3 sums of 4 vectors of
 // 64 bytes at most.
 constexpr int64_t kDotsCarryBytes = 3 * 4 * 64;

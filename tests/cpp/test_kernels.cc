@@ -131,6 +131,11 @@ std::vector<KernelCase> BuildCases() {
       cases.push_back(k);
     }
   }
+  // Rows longer than pass 1 reads at once (kernel_table.h: PassOneSpan) in both
+  // ops and every dtype, the last span short: the sums carried between spans.
+  for (attnres_dtype dtype : kDTypes) {
+    cases.push_back(Draw(rng, 5, 4100, dtype, 7));
+  }
   for (size_t i = 0; i < cases.size(); ++i) {
     const Case& c = cases[i].c;
     cases[i].name = "c" + std::to_string(i) + "_" + DTypeName(c.dtype) + "_L" +
