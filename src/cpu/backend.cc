@@ -241,7 +241,9 @@ class Call {
     while (kChunkTokens % info_.tile_tokens != 0) --info_.tile_tokens;
     // Pass 1 reads x with wg, the backward with g too. The forward's 16-bit rows,
     // two per call and bound by their widening, stay whole: in spans, bf16 D = 7168
-    // ran 2-4% slower (Xeon model 167), while fp32 D = 8192 ran 1.25x faster.
+    // ran 2-4% slower (Xeon model 167), while fp32 D = 8192 ran 1.25x faster. (The
+    // backward's tile cycles through the g rows of all its tokens; counting them
+    // all made small rows span too: bf16 D = 512, L = 4 ran 1.25x as long.)
     const int64_t elem = ElementBytes(dtype);
     info_.pass_one_span = backward    ? PassOneSpan(p_.dim, elem + 2 * acc_bytes_)
                           : elem == 2 ? p_.dim

@@ -233,7 +233,8 @@ void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin
 // tiles. Pass 2 of a tile is memory-bound (it writes every dv row and prefetches
 // a tile's rows) while pass 1 runs from L2 with memory idle: a quarter of the time
 // when they took turns. So pass 1 of tile k + 1 runs *inside* pass 2 of tile k, a
-// row between slices of pass 2's chunks, spread evenly, and pass 2 of tile k
+// unit of pass 1 (a row, or a span of one) between slices of pass 2's chunks,
+// spread evenly, and pass 2 of tile k
 // prefetches the rows of tile k + 2 (pass 1 of tile k + 1 finds its rows in L2,
 // requested one tile earlier). Two tiles are in flight, each with its own half of
 // the scratch (grad_out rows, stats). The arithmetic and its order per element
@@ -287,23 +288,25 @@ class BackwardPipeline {
       // static schedule; nothing past the last token is asked for.
       const int64_t after_next = cur.begin + cur.n + tile_tokens_;
       // Pass 2 of `cur` in units of one chunk of one token; before unit u, the
-      // first rows * u / units spans of rows of the next tile's pass 1 are done.
+      // first pass1_units * u / units units of the next tile's pass 1 are done.
       const int64_t next_rows = next != nullptr ? L_ * next->n : 0;
-      const int64_t rows = next_rows * spans_, units = cur.n * chunks;
-      int64_t rows_done = 0;
+      const int64_t pass1_units = next_rows * spans_, units = cur.n * chunks;
+      int64_t pass1_done = 0;
       for (int64_t j = 0; j < cur.n; ++j) {
         for (int64_t c = 0; c < chunks;) {
           const int64_t unit = j * chunks + c;
-          for (; rows_done < rows * unit / units; ++rows_done) {
+          for (; pass1_done < pass1_units * unit / units; ++pass1_done) {
             // Rows r < next->n are source 0's, of token r: tile k + 2's token r.
-            const int64_t r = rows_done % next_rows, t = after_next + r;
+            const int64_t r = pass1_done % next_rows, t = after_next + r;
             const bool source_0 = r < next->n;
-            PassOneUnit(*next, rows_done, source_0 && t < info_.num_tokens
-                                              ? grad_out_ + t * info_.grad_out_row_stride
-                                              : nullptr);
+            PassOneUnit(*next, pass1_done, source_0 && t < info_.num_tokens
+                                               ? grad_out_ + t * info_.grad_out_row_stride
+                                               : nullptr);
           }
-          // Up to the unit where the next row is due (at least one chunk).
-          const int64_t due = rows_done < rows ? ((rows_done + 1) * units + rows - 1) / rows : units;
+          // Up to the unit where the next pass-1 unit is due (at least one chunk).
+          const int64_t due = pass1_done < pass1_units
+                                  ? ((pass1_done + 1) * units + pass1_units - 1) / pass1_units
+                                  : units;
           const int64_t c_end = std::min(chunks, std::max(c + 1, due - j * chunks));
           const int64_t t = after_next + j;
           PassTwo(cur, j, c * R::kChunkElems, std::min(c_end * R::kChunkElems, dim_),
@@ -311,7 +314,7 @@ class BackwardPipeline {
           c = c_end;
         }
       }
-      for (; rows_done < rows; ++rows_done) PassOneUnit(*next, rows_done, nullptr);
+      for (; pass1_done < pass1_units; ++pass1_done) PassOneUnit(*next, pass1_done, nullptr);
     }
     if (stream_) R::FenceStreams();
   }
@@ -342,8 +345,8 @@ class BackwardPipeline {
   // so that every row reads the same span of wg and of its g row from L1 (whole
   // rows of fp32 at D >= 3584 overflowed it with x, wg and g: the backward ran
   // 1.35x as long per byte as at D = 3072). The last span of a row ends its three
-  // dot products. The next unit's row is prefetched into L1, `ahead` (or null)
-  // into L2, over the same span.
+  // dot products. The next row's same span is prefetched into L1 (the last row's
+  // own, a no-op), `ahead` (or null) into L2, over the same span.
   void PassOneUnit(Tile& tile, int64_t u, const T* ahead) {
     const int64_t rows = L_ * tile.n, r = u % rows, i = r / tile.n, j = r % tile.n;
     const int64_t d_begin = u / rows * span_, d_end = std::min(d_begin + span_, dim_);

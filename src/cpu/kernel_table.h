@@ -65,11 +65,14 @@ struct Scratch {
 // `row_bytes` bytes of rows per element for one Dots call. While a whole row's
 // worth fits in 32 KB of L1 a row is read whole; past that, a span of 24 KB of it
 // at a time, every row's span in turn (block_attn_res.cc), so that the spans of wg
-// and g stay in L1. Spans are multiples of 64 elements (of every variant's step).
+// and g stay in L1. Spans are whole multiples of kPassOneSpanStep elements (of
+// every variant's step: simd-inl.h checks).
 constexpr int64_t kPassOneWholeRowBytes = 32 * 1024, kPassOneSpanBytes = 24 * 1024;
+constexpr int64_t kPassOneSpanStep = 64;
 inline int64_t PassOneSpan(int64_t dim, int64_t row_bytes) {
   if (dim * row_bytes <= kPassOneWholeRowBytes) return dim;
-  return kPassOneSpanBytes / row_bytes / 64 * 64;
+  const int64_t steps = kPassOneSpanBytes / row_bytes / kPassOneSpanStep;
+  return (steps > 1 ? steps : 1) * kPassOneSpanStep;
 }
 // One row's sums between spans (simd-inl.h: Row::Dots): 3 sums of 4 vectors of
 // 64 bytes at most.

@@ -365,6 +365,7 @@ struct Row {
   static constexpr int kDotsAcc = kVectorBytes == 64 ? 4 : 2;
   static constexpr int kDotsCarry = 3 * kDotsAcc;
   static_assert(kDotsCarry * sizeof(V) <= kDotsCarryBytes);
+  static_assert(kPassOneSpanStep % (4 * kLanes) == 0, "a span ends on Dots' step");
 
   // One read of elements [d_begin, d_end) of each of the kRows rows x[r]: sum(x^2)
   // (if kSumSq), dot(wg, x), and dot(g, x) (if kDotG), prefetching next[r], the row
@@ -377,7 +378,7 @@ struct Row {
   // and the results are written by the call that reaches dim.
   // The hardware prefetchers alone leave too few lines in flight once a loop does
   // more than load (in a standalone test, 0.7-0.9 of a plain sum's bandwidth, and
-  // 0.98 with this prefetch); one row ahead (1.5-16 KB) covers the latency.
+  // 0.98 with this prefetch); one row (or span) ahead, 1.5-24 KB, covers the latency.
   // The row functions are not inlined: inside the tile loops the compiler ran out
   // of registers and kept accumulators on the stack, a store-to-load chain per
   // iteration that cost ~3x. One call per row of D elements is free in comparison.

@@ -134,7 +134,19 @@ std::vector<KernelCase> BuildCases() {
   // Rows longer than pass 1 reads at once (kernel_table.h: PassOneSpan) in both
   // ops and every dtype, the last span short: the sums carried between spans.
   for (attnres_dtype dtype : kDTypes) {
-    cases.push_back(Draw(rng, 5, 4100, dtype, 7));
+    KernelCase k = Draw(rng, 5, 4100, dtype, 7);
+    k.c.rmsnorm = true;
+    cases.push_back(k);
+  }
+  // The same with two tokens per backward tile (fp32, L = 2; the last tile has
+  // one) and the rms cache given, so the backward's pass 1 skips sum(v^2).
+  {
+    KernelCase k = Draw(rng, 2, 4100, ATTNRES_DTYPE_FLOAT32, 9);
+    k.c.rmsnorm = true;
+    k.caches = CacheMode::kRmsOnly;
+    k.backward.use_rms_cache = true;
+    k.backward.use_alpha_cache = false;
+    cases.push_back(k);
   }
   for (size_t i = 0; i < cases.size(); ++i) {
     const Case& c = cases[i].c;
