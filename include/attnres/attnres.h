@@ -20,7 +20,11 @@
  * stride (e.g. contiguous, or a slice x[..., :D] of a wider tensor) is read in
  * place. Blocks are passed as an array of N pointers: nothing is stacked or copied.
  * Caches are dense [num_tokens, L] arrays of the accumulation type (float for
- * f32/bf16/f16, double for f64).
+ * f32/bf16/f16, double for f64). Pointers must be aligned to their element size;
+ * on the CPU, rows that start on 64-byte lines (base pointers from
+ * aligned_alloc(64, ...), as PyTorch allocates, and strides a multiple of 64
+ * bytes) are fastest: large gradient rows are then written with non-temporal
+ * stores (docs/PERFORMANCE.md measures the difference).
  *
  * Errors. Every call validates all of its arguments before touching any memory and
  * returns a status. On failure nothing is written to any output, and
