@@ -273,10 +273,10 @@ class BackwardPipeline {
     const int64_t num_tiles = (end - begin + tile_tokens_ - 1) / tile_tokens_;
     const int64_t chunks = (dim_ + R::kChunkElems - 1) / R::kChunkElems;
     Tile* first = Start(0, begin, end);
-    const int64_t first_rows = L_ * first->n;
-    for (int64_t u = 0; u < first_rows * spans_; ++u) {  // pass 1 of tile 0, on its own,
-      const int64_t r = u % first_rows, t = first->begin + tile_tokens_ + r % first->n;  // asking for tile 1
-      PassOneUnit(*first, u, t < info_.num_tokens ? Source(r / first->n) + t * info_.source_row_stride : nullptr);
+    PassOnePos at;
+    for (int64_t u = 0; u < L_ * first->n * spans_; ++u) {  // pass 1 of tile 0, on its own,
+      const int64_t t = first->begin + tile_tokens_ + at.j;   // asking for tile 1
+      PassOneUnit(*first, at, t < info_.num_tokens ? Source(at.i) + t * info_.source_row_stride : nullptr);
     }
     for (int64_t k = 0; k < num_tiles; ++k) {
       Tile& cur = tiles_[k % 2];
@@ -289,19 +289,19 @@ class BackwardPipeline {
       const int64_t after_next = cur.begin + cur.n + tile_tokens_;
       // Pass 2 of `cur` in units of one chunk of one token; before unit u, the
       // first pass1_units * u / units units of the next tile's pass 1 are done.
-      const int64_t next_rows = next != nullptr ? L_ * next->n : 0;
-      const int64_t pass1_units = next_rows * spans_, units = cur.n * chunks;
+      const int64_t pass1_units = next != nullptr ? L_ * next->n * spans_ : 0;
+      const int64_t units = cur.n * chunks;
       int64_t pass1_done = 0;
+      PassOnePos at;
       for (int64_t j = 0; j < cur.n; ++j) {
         for (int64_t c = 0; c < chunks;) {
           const int64_t unit = j * chunks + c;
           for (; pass1_done < pass1_units * unit / units; ++pass1_done) {
-            // Rows r < next->n are source 0's, of token r: tile k + 2's token r.
-            const int64_t r = pass1_done % next_rows, t = after_next + r;
-            const bool source_0 = r < next->n;
-            PassOneUnit(*next, pass1_done, source_0 && t < info_.num_tokens
-                                               ? grad_out_ + t * info_.grad_out_row_stride
-                                               : nullptr);
+            // Source 0's row of token j asks for tile k + 2's grad_out row j.
+            const int64_t t = after_next + at.j;
+            PassOneUnit(*next, at, at.i == 0 && t < info_.num_tokens
+                                       ? grad_out_ + t * info_.grad_out_row_stride
+                                       : nullptr);
           }
           // Up to the unit where the next pass-1 unit is due (at least one chunk).
           const int64_t due = pass1_done < pass1_units
@@ -314,7 +314,7 @@ class BackwardPipeline {
           c = c_end;
         }
       }
-      for (; pass1_done < pass1_units; ++pass1_done) PassOneUnit(*next, pass1_done, nullptr);
+      for (; pass1_done < pass1_units; ++pass1_done) PassOneUnit(*next, at, nullptr);
     }
     if (stream_) R::FenceStreams();
   }
@@ -340,20 +340,32 @@ class BackwardPipeline {
     return &tile;
   }
 
-  // Pass 1 of a tile in units of one span of one row: unit u is span u / rows of
-  // row r = u % rows (rows = L * n, source by source: i = r / n, token j = r % n),
-  // so that every row reads the same span of wg and of its g row from L1 (whole
-  // rows of fp32 at D >= 3584 overflowed it with x, wg and g: the backward ran
-  // 1.35x as long per byte as at D = 3072). The last span of a row ends its three
-  // dot products. The next row's same span is prefetched into L1 (the last row's
-  // own, a no-op), `ahead` (or null) into L2, over the same span.
-  void PassOneUnit(Tile& tile, int64_t u, const T* ahead) {
-    const int64_t rows = L_ * tile.n, r = u % rows, i = r / tile.n, j = r % tile.n;
-    const int64_t d_begin = u / rows * span_, d_end = std::min(d_begin + span_, dim_);
+  // Where pass 1 of a tile is: span k of the row of source i, token j. The units
+  // go row by row, source by source (all n tokens of source 0, then of source 1),
+  // span by span; the position is carried from unit to unit rather than divided
+  // out of a unit count (three 64-bit divisions per unit were ~10% of the
+  // backward at D = 512).
+  struct PassOnePos {
+    int64_t k = 0, i = 0, j = 0;
+  };
+
+  // Pass 1 of the unit at `at` (then `at` moves to the next unit): one span of one
+  // row, so that every row reads the same span of wg and of its g row from L1
+  // (whole rows of fp32 at D >= 3584 overflowed it with x, wg and g: the backward
+  // ran 1.35x as long per byte as at D = 3072). The last span of a row ends its
+  // three dot products. The next row's same span is prefetched into L1 (the last
+  // row's own, a no-op), `ahead` (or null) into L2, over the same span.
+  void PassOneUnit(Tile& tile, PassOnePos& at, const T* ahead) {
+    const int64_t i = at.i, j = at.j, r = i * tile.n + j;
+    const int64_t d_begin = at.k * span_, d_end = std::min(d_begin + span_, dim_);
     const T* x = Source(i) + (tile.begin + j) * info_.source_row_stride;
-    const T* next = r + 1 < rows
-                        ? Source((r + 1) / tile.n) + (tile.begin + (r + 1) % tile.n) * info_.source_row_stride
-                        : x;
+    PassOnePos after = at;  // the next unit: the next row, or the next span's first
+    if (++after.j == tile.n) {
+      after.j = 0;
+      if (++after.i == L_) after = PassOnePos{at.k + 1, 0, 0};
+    }
+    const T* next = after.k == at.k ? Source(after.i) + (tile.begin + after.j) * info_.source_row_stride : x;
+    at = after;
     const A* g = tile.g + j * padded_;
     V* carry = spans_ > 1 ? tile.carry + r * R::kDotsCarry : nullptr;
     const bool need_sum_sq = kRmsNorm && rms_cache_ == nullptr;
