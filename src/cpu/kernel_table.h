@@ -62,16 +62,16 @@ struct Scratch {
 };
 
 // Pass 1 of both ops reads every row with wg (the backward with its g row too):
-// `row_bytes` bytes of rows per element for one Dots call. While a whole row's
-// worth fits in 32 KB of L1 a row is read whole; past that, a span of 24 KB of it
-// at a time, every row's span in turn (block_attn_res.cc), so that the spans of wg
-// and g stay in L1. Spans are whole multiples of kPassOneSpanStep elements (of
-// every variant's step: simd-inl.h checks).
+// `bytes_per_elem` bytes of rows per element for one Dots call. While a whole
+// row's worth fits in 32 KB of L1 a row is read whole; past that, a span of 24 KB
+// of it at a time, every row's span in turn (block_attn_res.cc), so that the spans
+// of wg and g stay in L1. Spans are whole multiples of kPassOneSpanStep elements
+// (of every variant's step: simd-inl.h checks).
 constexpr int64_t kPassOneWholeRowBytes = 32 * 1024, kPassOneSpanBytes = 24 * 1024;
 constexpr int64_t kPassOneSpanStep = 64;
-inline int64_t PassOneSpan(int64_t dim, int64_t row_bytes) {
-  if (dim * row_bytes <= kPassOneWholeRowBytes) return dim;
-  const int64_t steps = kPassOneSpanBytes / row_bytes / kPassOneSpanStep;
+inline int64_t PassOneSpan(int64_t dim, int64_t bytes_per_elem) {
+  if (dim * bytes_per_elem <= kPassOneWholeRowBytes) return dim;
+  const int64_t steps = kPassOneSpanBytes / bytes_per_elem / kPassOneSpanStep;
   return (steps > 1 ? steps : 1) * kPassOneSpanStep;
 }
 // One row's sums between spans (simd-inl.h: Row::Dots): 3 sums of 4 vectors of
