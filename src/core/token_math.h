@@ -131,14 +131,23 @@ ATTNRES_HD KeyChain<A> KeyGradient(A z, A r, A scale, int64_t dim, bool rmsnorm)
   return {scale / r, rmsnorm ? -z / (static_cast<A>(dim) * r * r) : A(0)};
 }
 
-// Phase 2's merge weight beta = sigmoid(lse - z_p), in the form that cannot
-// overflow: exp of a non-positive number only.
+// Phase 2's two merge weights, beta = sigmoid(lse - z_p) on phase 1's result and
+// keep = 1 - beta = sigmoid(z_p - lse) on the partial block, each from its own
+// exponent, never as 1 - (a number near 1): when one weight is 1e-13 the
+// subtraction would keep none of its digits, and it scales the partial block in h,
+// its gradient and (through beta * keep) dlse and so dw (SPEC §3, sharp depth
+// attention). exp of a non-positive number only, so nothing overflows; a NaN x
+// gives NaN weights.
 template <typename A>
-ATTNRES_HD A MergeWeight(A lse, A z_p) {
+struct MergeWeights {
+  A beta, keep;
+};
+template <typename A>
+ATTNRES_HD MergeWeights<A> MergeWeightsOf(A lse, A z_p) {
   const A x = lse - z_p;
-  if (x >= 0) return A(1) / (A(1) + Exp(-x));
-  const A e = Exp(x);
-  return e / (A(1) + e);
+  const A e = Exp(x >= 0 ? -x : x);  // exp(-|x|), in (0, 1]
+  const A big = A(1) / (A(1) + e), small = e / (A(1) + e);
+  return x >= 0 ? MergeWeights<A>{big, small} : MergeWeights<A>{small, big};
 }
 
 }  // namespace

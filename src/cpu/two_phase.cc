@@ -14,8 +14,9 @@
 //            dv_i = sum_s (a_{s,i} g_s + c_{s,i} u_s) + b_i v_i,   c_{s,i} = dz_{s,i} scale / r_i
 //            U_s += sum_i c_{s,i} v_i  (dw_s = gamma_s U_s, dgamma_s = w_s U_s)
 //            dot(g_s, o_s) = sum_i a_{s,i} dot(g_s, v_i): o_s and lse_s are not read.
-//   phase 2  z_p = scale * dot(u, p) / r_p,  beta = sigmoid(lse - z_p)
-//            h = beta o + (1 - beta) p,  out = h or h / rms(h) * norm_weight
+//   phase 2  z_p = scale * dot(u, p) / r_p,  beta = sigmoid(lse - z_p),
+//            keep = 1 - beta = sigmoid(z_p - lse) (each from its own exponent)
+//            h = beta o + keep p,  out = h or h / rms(h) * norm_weight
 //     A few passes over the token's o, p (and g) rows, which stay in L1.
 //
 // Compiled once per ISA, like block_attn_res.cc; kernels in an unnamed namespace.
@@ -490,7 +491,7 @@ struct MergeToken {
   using A = typename Row<T>::A;
   const T* o;
   const T* p;  // null: no partial block (h = o)
-  A beta = 1, z = 0, r = 1;
+  A beta = 1, keep = 0, z = 0, r = 1;  // keep = 1 - beta, formed on its own (token_math.h)
 
   // With the fused update, p is the row of new_partial, which the caller has written.
   MergeToken(const PhaseInfo& info, int64_t t) {
@@ -504,7 +505,9 @@ struct MergeToken {
     PhaseRow<T>::RowDots(p, wg, info.dim, &sum_sq, &dot);
     r = info.rmsnorm ? math::Rms(sum_sq, info.dim, static_cast<A>(info.eps)) : A(1);
     z = static_cast<A>(info.scale) * (dot / r);
-    beta = math::MergeWeight(static_cast<const A*>(info.query_lse)[t], z);
+    const math::MergeWeights<A> weights = math::MergeWeightsOf(static_cast<const A*>(info.query_lse)[t], z);
+    beta = weights.beta;
+    keep = weights.keep;
   }
 
   // h over the pair of vectors at d.
@@ -514,7 +517,7 @@ struct MergeToken {
     if (p == nullptr) return;
     typename R::V p_lo, p_hi;
     R::Load2(p + d, dim - d, p_lo, p_hi);
-    const auto vb = R::Splat(beta), vp = R::Splat(A(1) - beta);
+    const auto vb = R::Splat(beta), vp = R::Splat(keep);
     lo = vb * lo + vp * p_lo;
     hi = vb * hi + vp * p_hi;
   }
@@ -567,8 +570,8 @@ void Phase2Forward(const PhaseInfo& info, void*, void*, int64_t begin, int64_t e
 // Phase 2 backward, per token (g = dL/dout):
 //   with input_norm  h' = h / r_h,  dh = (g nw - h' dot(g nw, h') / dim) / r_h,
 //                    dnorm_weight += g h'
-//   do = beta dh,  dbeta = dot(dh, o - p),  dlse = dbeta beta (1 - beta),  dz_p = -dlse
-//   dp = (1 - beta) dh + c u + b p  (c, b: the key chain of z_p),  U += c p
+//   do = beta dh,  dbeta = dot(dh, o - p),  dlse = dbeta beta keep,  dz_p = -dlse
+//   dp = keep dh + c u + b p  (c, b: the key chain of z_p),  U += c p
 //   plus grad_partial_in when given (what p receives from its other uses)
 // Three passes over the token's rows (in L1): p's RMS and logit (MergeToken); the
 // sums that fix every scalar: r_h, dot(g nw, h) and, by linearity of dh in g nw and h,
@@ -635,7 +638,7 @@ void Phase2Backward(const PhaseInfo& info, void*, void* partials, int64_t begin,
     }
     const A beta = tok.beta;
     const A dbeta = merge ? (R::Sum(gd[0] + gd[1]) - k * R::Sum(hd[0] + hd[1])) * inv_r : A(0);
-    const A dlse = dbeta * beta * (A(1) - beta);
+    const A dlse = dbeta * (beta * tok.keep);
     if (info.grad_query_lse != nullptr) static_cast<A*>(info.grad_query_lse)[t] = dlse;
 
     T* grad_o = info.grad_query_out != nullptr
@@ -650,7 +653,7 @@ void Phase2Backward(const PhaseInfo& info, void*, void* partials, int64_t begin,
         merge ? math::KeyGradient(tok.z, tok.r, static_cast<A>(info.scale), dim, info.rmsnorm != 0)
               : math::KeyChain<A>{0, 0};
     const V vr = R::Splat(inv_r), vk = R::Splat(k), vbeta = R::Splat(beta);
-    const V vkeep = R::Splat(A(1) - beta);
+    const V vkeep = R::Splat(tok.keep);
     const V vc = R::Splat(-dlse * chain.a), vb = R::Splat(-dlse * chain.b);
     for (int64_t d = 0; d < dim; d += R::kPair) {
       V h[2] = {}, dh[2];

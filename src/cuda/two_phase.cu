@@ -11,11 +11,12 @@
 //            c_{s,i} = dz_{s,i} scale / r_i,   b_i = sum_s dz_{s,i} (-z_{s,i} / (D r_i^2))
 //            dv_i = b_i v_i + sum_s (a_{s,i} g_s + c_{s,i} u_s)  (+ dv_i with accumulate_grads)
 //            U_s += sum_i c_{s,i} v_i;   dw_s = gamma_s U_s,  dgamma_s = w_s U_s
-//   phase 2  z_p = scale * dot(u, p) / r_p,  beta = sigmoid(lse - z_p)
-//            h = beta o + (1 - beta) p,  out = h or h / rms(h) * norm_weight
+//   phase 2  z_p = scale * dot(u, p) / r_p,  beta = sigmoid(lse - z_p),
+//            keep = 1 - beta = sigmoid(z_p - lse) (each from its own exponent)
+//            h = beta o + keep p,  out = h or h / rms(h) * norm_weight
 //            (fused update: p = partial + y rounded to T, also written to new_partial)
-//     backward: dh through the norm, do = beta dh, dlse = dot(dh, o - p) beta (1 - beta),
-//            dp = (1 - beta) dh + c u + b p (+ grad_partial_in),  U += c p,
+//     backward: dh through the norm, do = beta dh, dlse = dot(dh, o - p) beta keep,
+//            dp = keep dh + c u + b p (+ grad_partial_in),  U += c p,
 //            dnorm_weight += g h / r_h
 //
 // Kernels.
@@ -596,7 +597,7 @@ __global__ void __launch_bounds__(kPhase2Threads)
       const int o_bytes = AccessBytes(o);
       int p_bytes = p != nullptr ? AccessBytes(p) : 16;
       // The merge weight.
-      Acc beta = 1, z = 0, r = 1;
+      Acc beta = 1, keep = 0, z = 0, r = 1;  // keep = 1 - beta, formed on its own (token_math.h)
       if (p != nullptr) {
         // The fused forward: p' = partial + y, each element rounded to T as a separate
         // addition would round it, is what the token merges.
@@ -632,9 +633,10 @@ __global__ void __launch_bounds__(kPhase2Threads)
         sum_sq = WarpSum(sum_sq);
         r = args.rmsnorm ? math::Rms(sum_sq, dim, static_cast<Acc>(args.eps)) : Acc(1);
         z = scale * (dot / r);
-        beta = math::MergeWeight(static_cast<const Acc*>(args.lse)[t], z);
+        const math::MergeWeights<Acc> weights = math::MergeWeightsOf(static_cast<const Acc*>(args.lse)[t], z);
+        beta = weights.beta;
+        keep = weights.keep;
       }
-      const Acc keep = Acc(1) - beta;
       // h over chunk c.
       const auto h_of = [&](int64_t c, Acc (&h)[kVec]) {
         IO::Load(o, o_bytes, c, dim, h);
@@ -728,9 +730,9 @@ __global__ void __launch_bounds__(kPhase2Threads)
                                [&](int e) { return gx[e] * h[e] * inv_rms; });
           }
         }
-        const Acc dlse = p != nullptr ? WarpSum(dbeta) * beta * (Acc(1) - beta) : Acc(0);
+        const Acc dlse = p != nullptr ? WarpSum(dbeta) * (beta * keep) : Acc(0);
         if (args.grad_lse != nullptr && lane == 0) static_cast<Acc*>(args.grad_lse)[t] = dlse;
-        // dp = (1 - beta) dh + c u + b p and U += c p, (c, b) = -dlse * the key chain of z_p.
+        // dp = keep dh + c u + b p and U += c p, (c, b) = -dlse * the key chain of z_p.
         Acc* u_row =
             args.u_partials != nullptr ? static_cast<Acc*>(args.u_partials) + item * dim : nullptr;
         if (p == nullptr) {

@@ -73,13 +73,19 @@ BackwardResult Backward(const Problem& p, const std::vector<double>& grad_out) {
     const double* g = grad_out.data() + t * D;
 
     std::vector<double> ga(L, 0.0);  // dLoss/dalpha_i = dot(g, v_i)
-    double ga_mean = 0;              // sum_j alpha_j * ga_j
+    int64_t pivot = 0;               // the source with the largest alpha
     for (int64_t i = 0; i < L; ++i) {
       for (int64_t d = 0; d < D; ++d) ga[i] += g[d] * s.v[i][d];
-      ga_mean += s.alpha[i] * ga[i];
+      if (s.alpha[i] > s.alpha[pivot]) pivot = i;
     }
+    // The softmax backward gz_i = alpha_i (ga_i - sum_j alpha_j ga_j), with every ga
+    // taken relative to the pivot's: when alpha_pivot is near 1, ga_pivot - sum is a
+    // tiny difference of two large numbers (1e-3 off in double at weights of 1e-13),
+    // while the sum of alpha_j (ga_j - ga_pivot) is formed from exact differences.
+    double mean_delta = 0;  // sum_j alpha_j * (ga_j - ga_pivot)
+    for (int64_t j = 0; j < L; ++j) mean_delta += s.alpha[j] * (ga[j] - ga[pivot]);
     for (int64_t i = 0; i < L; ++i) {
-      const double gz = s.alpha[i] * (ga[i] - ga_mean);  // softmax backward
+      const double gz = s.alpha[i] * ((ga[i] - ga[pivot]) - mean_delta);
       std::vector<double> gk(D);                         // dLoss/dk_i = scale * gz * w
       double c = 0;                                      // dot(gamma * gk, v_i)
       for (int64_t d = 0; d < D; ++d) {

@@ -77,7 +77,7 @@ std::vector<std::vector<double>> Queries(const Phase1Problem& p) {
 struct Phase2Token {
   const double* o;
   const double* p;  // nullptr without a partial block
-  double r_p = 1, z_p = 0, beta = 1;
+  double r_p = 1, z_p = 0, beta = 1, keep = 0;  // keep = 1 - beta
   std::vector<double> h;
 };
 
@@ -90,8 +90,11 @@ Phase2Token ComputePhase2Token(const Phase2Problem& q, const std::vector<double>
   if (k.p != nullptr) {
     k.r_p = Rms(k.p, D, q.rmsnorm, q.eps);
     k.z_p = q.scale * Dot(u.data(), k.p, D) / k.r_p;
-    k.beta = 1.0 / (1.0 + std::exp(-(q.lse[t] - k.z_p)));
-    for (int64_t d = 0; d < D; ++d) k.h[d] = k.beta * k.o[d] + (1 - k.beta) * k.p[d];
+    // Each weight from its own exponent: 1 - beta would lose a weight of 1e-13 even
+    // in double (SPEC §3, sharp depth attention).
+    k.beta = 1.0 / (1.0 + std::exp(k.z_p - q.lse[t]));
+    k.keep = 1.0 / (1.0 + std::exp(q.lse[t] - k.z_p));
+    for (int64_t d = 0; d < D; ++d) k.h[d] = k.beta * k.o[d] + k.keep * k.p[d];
   }
   return k;
 }
@@ -135,10 +138,20 @@ Phase1BackwardResult Phase1Backward(const Phase1Problem& p,
       const double* go = has_go ? grad_outs[s].data() + t * D : zero_row.data();  // do_s [dim]
       const bool has_gl = s < static_cast<int64_t>(grad_lses.size()) && !grad_lses[s].empty();
       const double gl = has_gl ? grad_lses[s][t] : 0.0;                          // dlse_s
-      const double go_dot_o = Dot(go, k.o[s].data(), D);
+      // dz_{s,i} = a_{s,i} (dot(do_s, v_i) - dot(do_s, o_s) + dlse_s), with
+      // dot(do_s, o_s) = sum_j a_{s,j} dot(do_s, v_j) taken relative to the block of
+      // the largest weight (the pivot form of reference.cc's softmax backward).
+      std::vector<double> ga(N);
+      int64_t pivot = 0;
+      for (int64_t i = 0; i < N; ++i) {
+        ga[i] = Dot(go, k.v[i], D);
+        if (k.a[s][i] > k.a[s][pivot]) pivot = i;
+      }
+      double mean_delta = 0;
+      for (int64_t j = 0; j < N; ++j) mean_delta += k.a[s][j] * (ga[j] - ga[pivot]);
       for (int64_t i = 0; i < N; ++i) {
         const double a = k.a[s][i];
-        const double dz = a * (Dot(go, k.v[i], D) - go_dot_o + gl);  // dz_{s,i}
+        const double dz = a * ((ga[i] - ga[pivot]) - mean_delta + gl);  // dz_{s,i}
         const double u_dot_v = Dot(u[s].data(), k.v[i], D);
         const double ri = k.r[i];
         double* dv = r.grad_blocks[i].data() + t * D;
@@ -208,7 +221,7 @@ Phase2BackwardResult Phase2Backward(const Phase2Problem& q, const std::vector<do
     const double beta = k.beta;
     double dbeta = 0;  // dot(g, o - p)
     for (int64_t d = 0; d < D; ++d) dbeta += g[d] * (k.o[d] - k.p[d]);
-    const double dlse = dbeta * beta * (1 - beta);
+    const double dlse = dbeta * beta * k.keep;
     const double dz_p = -dlse;
     r.grad_lse[t] = dlse;
     const double u_dot_p = Dot(u.data(), k.p, D);
@@ -218,7 +231,7 @@ Phase2BackwardResult Phase2Backward(const Phase2Problem& q, const std::vector<do
       go[d] = beta * g[d];
       const double dz_dp = q.rmsnorm ? q.scale * (u[d] / rp - k.p[d] * u_dot_p / (D * rp * rp * rp))
                                      : q.scale * u[d];
-      dp[d] = (1 - beta) * g[d] + dz_p * dz_dp;
+      dp[d] = k.keep * g[d] + dz_p * dz_dp;
       const double gamma = q.rmsnorm && !q.gamma.empty() ? q.gamma[d] : 1.0;
       r.grad_w[d] += dz_p * q.scale * gamma * k.p[d] / rp;
       if (q.rmsnorm) r.grad_gamma[d] += dz_p * q.scale * q.w[d] * k.p[d] / rp;

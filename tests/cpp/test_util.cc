@@ -279,6 +279,95 @@ attnres::ref::Problem MakeProblem(const Case& c) {
   return p;
 }
 
+std::string SharpLogits::Describe() const {
+  static const char* const kNames[] = {"blocks", "partial", "first block", "all but the first block"};
+  std::ostringstream s;
+  s << "gap=" << gap << " favoured: " << kNames[static_cast<int>(favoured)]
+    << " partial x" << partial_magnitude;
+  return s.str();
+}
+
+attnres::ref::Problem MakeSharpProblem(const Case& c, const SharpLogits& sharp) {
+  std::mt19937_64 rng(c.seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::uniform_real_distribution<double> spread(0.5, 2.0);
+  attnres::ref::Problem p;
+  p.tokens = c.tokens;
+  p.dim = c.dim;
+  p.num_blocks = c.num_blocks;
+  p.has_partial = c.has_partial;
+  p.rmsnorm = c.rmsnorm;
+  p.scale = c.scale;
+  p.eps = c.eps;
+  const int64_t L = c.num_sources(), N = c.num_blocks, T = c.tokens, D = c.dim;
+  std::vector<bool> favoured(L);
+  for (int64_t i = 0; i < L; ++i) {
+    const bool partial = c.has_partial && i == N;
+    switch (sharp.favoured) {
+      case Favoured::kBlocks: favoured[i] = !partial; break;
+      case Favoured::kPartial: favoured[i] = partial; break;
+      case Favoured::kFirstBlock: favoured[i] = i == 0; break;
+      case Favoured::kAllButFirstBlock: favoured[i] = i != 0; break;
+    }
+  }
+  p.sources.resize(L);
+  for (int64_t i = 0; i < L; ++i) {
+    // Without RMSNorm a source's size scales its logit: the blocks are all of one size.
+    const double size = c.has_partial && i == N ? sharp.partial_magnitude
+                        : c.rmsnorm             ? spread(rng)
+                                                : 1.0;
+    const double sign = favoured[i] ? 1.0 : -1.0;
+    p.sources[i].resize(T * D);
+    for (double& v : p.sources[i]) v = RoundToDType(size * sign * (1 + 0.2 * normal(rng)), c.dtype);
+  }
+  if (c.has_gamma) {
+    p.gamma.resize(D);
+    for (double& v : p.gamma) v = RoundToDType(1.0 + 0.2 * normal(rng), c.dtype);
+  }
+  // Each source's mean logit for w = ones; w is then scaled so that they span `gap`
+  // (the favoured ones on top).
+  double lowest = 0, highest = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    double mean = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      const double* v = p.sources[i].data() + t * D;
+      double sum_sq = 0, dot = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        sum_sq += v[d] * v[d];
+        dot += (p.gamma.empty() || !c.rmsnorm ? 1.0 : p.gamma[d]) * v[d];
+      }
+      mean += c.scale * dot / (c.rmsnorm ? std::sqrt(sum_sq / D + c.eps) : 1.0) / T;
+    }
+    lowest = i == 0 ? mean : std::min(lowest, mean);
+    highest = i == 0 ? mean : std::max(highest, mean);
+  }
+  p.w.assign(D, RoundToDType(sharp.gap / (highest - lowest), c.dtype));
+  return p;
+}
+
+std::vector<SharpLogits> SharpFamily(attnres_dtype dtype, bool has_partial) {
+  std::vector<Favoured> patterns = {Favoured::kFirstBlock, Favoured::kAllButFirstBlock};
+  if (has_partial) patterns.insert(patterns.begin(), {Favoured::kBlocks, Favoured::kPartial});
+  const bool fp16 = dtype == ATTNRES_DTYPE_FLOAT16;
+  // Without RMSNorm dw grows with the square of the partial block's size, and fp16
+  // ends at 65504.
+  const std::vector<double> magnitudes =
+      fp16 ? std::vector<double>{1e-2, 1.0, 10.0} : std::vector<double>{1e-3, 1.0, 1e3};
+  std::vector<SharpLogits> family;
+  for (double gap : {0.0, 5.0, 10.0, 20.0, 30.0}) {
+    for (Favoured favoured : patterns) {
+      for (double magnitude : magnitudes) {
+        if (!has_partial && magnitude != 1.0) continue;
+        // The smallest gradients are about exp(-gap) * magnitude: fp16 keeps 8 of its
+        // 10 bits down to 1e-5 (subnormals), and nothing below 6e-8.
+        if (fp16 && std::exp(-gap) * std::min(magnitude, 1.0) < 1e-5) continue;
+        family.push_back({gap, favoured, magnitude});
+      }
+    }
+  }
+  return family;
+}
+
 std::vector<double> MakeGradOut(const Case& c) {
   std::mt19937_64 rng(c.seed ^ 0x9E3779B97F4A7C15ull);
   std::normal_distribution<double> normal(0.0, 1.0);

@@ -150,6 +150,25 @@ struct Case {
 // in case.dtype: sources ~ N(0, s_i^2) with a per-source s_i in [0.5, 2],
 // w ~ N(0, 1/D) (logits of order one), gamma ~ 1 + N(0, 0.2^2).
 attnres::ref::Problem MakeProblem(const Case& c);
+// The sharp family (SPEC §3, "sharp depth attention"): the favoured sources point
+// along +1 and the others along -1 (each element 1 +- 20% noise; with RMSNorm the
+// blocks are 0.5-2 in size), and w is a multiple of ones chosen so that the
+// sources' mean logits span `gap`, the favoured ones on top: the least favoured
+// keep about exp(-gap) of the weight.
+enum class Favoured { kBlocks, kPartial, kFirstBlock, kAllButFirstBlock };
+struct SharpLogits {
+  double gap = 0;
+  Favoured favoured = Favoured::kBlocks;
+  double partial_magnitude = 1;  // the partial block's size next to the blocks'
+  std::string Describe() const;
+};
+// case.num_blocks >= 2; kBlocks and kPartial need case.has_partial.
+attnres::ref::Problem MakeSharpProblem(const Case& c, const SharpLogits& sharp);
+// The shared list: gaps 0, 5, 10, 20 and 30, every Favoured pattern that applies,
+// and the partial block 1e-3, 1 and 1e3 times the blocks. fp16's range narrows it:
+// the partial block 1e-2 to 10 times the blocks, and only the members whose
+// smallest gradients (about exp(-gap) times the partial block's size) reach 1e-5.
+std::vector<SharpLogits> SharpFamily(attnres_dtype dtype, bool has_partial);
 // Random upstream gradient [tokens * dim], representable in case.dtype.
 std::vector<double> MakeGradOut(const Case& c);
 

@@ -161,7 +161,7 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
 #       z_{s,i} = scale * dot(u_s, v_i) / r_i,  lse_s = logsumexp_i z_{s,i}
 #       o_s     = sum_i exp(z_{s,i} - lse_s) v_i
 #   phase 2  z_p = scale * dot(u, p) / r_p,  beta = sigmoid(lse - z_p)
-#       h = beta * o + (1 - beta) * p   (h = o without p)
+#       h = beta * o + keep * p, keep = 1 - beta = sigmoid(z_p - lse)   (h = o without p)
 #       out = h, or h / sqrt(mean(h^2) + norm_eps) * norm_weight  (input_norm)
 # ---------------------------------------------------------------------------------
 
@@ -198,8 +198,10 @@ def reference_phase2(out, lse, partial, w, gamma, scale, eps, rmsnorm, norm_weig
             u = u * gamma.to(F64)
         r_p = _rms(p, eps) if rmsnorm else torch.ones(p.shape[:-1], dtype=F64)   # [...]
         z_p = scale * (p * u).sum(dim=-1) / r_p                     # [...]
+        # Each weight from its own exponent: 1 - beta would lose a weight of 1e-13.
         beta = torch.sigmoid(lse.to(F64) - z_p).unsqueeze(-1)       # [..., 1]
-        h = beta * h + (1 - beta) * p
+        keep = torch.sigmoid(z_p - lse.to(F64)).unsqueeze(-1)       # 1 - beta
+        h = beta * h + keep * p
     if input_norm:
         h = h / _rms(h, norm_eps).unsqueeze(-1)
         if norm_weight is not None:
