@@ -334,10 +334,15 @@ struct Phase2Case {
   attnres_dtype dtype = ATTNRES_DTYPE_FLOAT32;
   int64_t source_pad = 0, out_pad = 0, grad_out_pad = 0, grad_source_pad = 0;
   uint64_t seed = 1;
+  // Sharp depth attention (SPEC §3): when merge_gap != 0, lse = z_p + merge_gap per
+  // token (merge weights sigmoid(+-merge_gap)), the partial block partial_size
+  // times o in size.
+  double merge_gap = 0, partial_size = 1;
 
   std::string Describe() const {
     std::ostringstream s;
-    s << DTypeName(dtype) << " tokens=" << tokens << " dim=" << dim << " partial=" << partial
+    s << DTypeName(dtype) << " tokens=" << tokens << " dim=" << dim << " merge_gap=" << merge_gap
+      << " partial_size=" << partial_size << " partial=" << partial
       << " rmsnorm=" << rmsnorm << " gamma=" << gamma << " input_norm=" << input_norm
       << " norm_weight=" << norm_weight << " update=" << update << " scale=" << scale
       << " eps=" << eps
@@ -363,7 +368,7 @@ class Phase2Abi {
     ref.norm_eps = c.norm_eps;
     ref.out = rng.Normal(T * D, 0, 1, dt);
     ref.lse = rng.Normal(T, 0.5, 1, acc);
-    ref.partial = c.partial ? rng.Normal(T * D, 0, 1.2, dt) : Vec();
+    ref.partial = c.partial ? rng.Normal(T * D, 0, 1.2 * c.partial_size, dt) : Vec();
     ref.w = rng.Normal(D, 0, 1 / std::sqrt(double(D)), dt);
     ref.gamma = c.gamma ? rng.Normal(D, 1, 0.2, dt) : Vec();
     ref.norm_weight = c.norm_weight ? rng.Normal(D, 1, 0.2, dt) : Vec();
@@ -397,6 +402,21 @@ class Phase2Abi {
       gin_ = Rows(dt, T, D, D + c.grad_out_pad, kInputPadding);
       gin_.Write(grad_partial_in);
       np_ = Rows(dt, T, D, D + c.out_pad, kOutputSentinel);
+    }
+    if (c.merge_gap != 0 && c.partial) {
+      // Without RMSNorm, w / partial_size keeps z_p of order one (a logit of 1000 has
+      // an fp32 ulp of 6e-5: that would measure large logits, not sharp ones).
+      if (!c.rmsnorm) for (double& x : ref.w) x = RoundToDType(x / c.partial_size, dt);
+      for (int64_t t = 0; t < T; ++t) {  // z_p of the partial block that is merged
+        double dot = 0, sum_sq = 0;
+        for (int64_t d = 0; d < D; ++d) {
+          const double x = ref.partial[t * D + d];
+          dot += ref.w[d] * (c.rmsnorm && c.gamma ? ref.gamma[d] : 1.0) * x;
+          sum_sq += x * x;
+        }
+        const double z_p = c.scale * dot / (c.rmsnorm ? std::sqrt(sum_sq / D + c.eps) : 1.0);
+        ref.lse[t] = RoundToDType(z_p + c.merge_gap, acc);
+      }
     }
     lse_ = Dense(acc, ref.lse);
     w_ = Dense(dt, ref.w);
@@ -888,6 +908,42 @@ TEST(TwoPhaseAbi, Phase2FusedUpdateMatchesReference) {
         c.seed = 300 + k;
         ++k;
         CheckPhase2(c);
+      }
+    }
+  }
+}
+
+// Sharp merges (SPEC §3): lse - z_p = +-5 .. +-30, so beta or 1 - beta is down to
+// 1e-13, with the partial block 1e-3, 1 and 1e3 times o; RMSNorm, the input norm
+// and the fused update on and off. fp16 runs those its range holds (SharpFamily's
+// rule in test_util.h).
+TEST(TwoPhaseAbi, Phase2SharpMergesMatchReference) {
+  int k = 0;
+  for (attnres_dtype dt : kAllDTypes) {
+    for (double gap : {5.0, 10.0, 20.0, 30.0}) {
+      for (double sign : {1.0, -1.0}) {
+        for (double size : {1e-3, 1.0, 1e3}) {
+          const bool fp16_range = size >= 1e-2 && size <= 10 && std::exp(-gap) * std::min(size, 1.0) >= 1e-5;
+          if (dt == ATTNRES_DTYPE_FLOAT16 && !fp16_range) continue;
+          Phase2Case c;
+          c.dtype = dt;
+          c.tokens = 9;
+          c.dim = k % 2 ? 33 : 64;
+          c.merge_gap = sign * gap;
+          c.partial_size = size;
+          c.rmsnorm = k % 3 != 2;
+          // Not the input norm with a large partial block: then h is close to p, dh is
+          // orthogonal to h, and dot(dh, o - p) is 1000x smaller than the terms of
+          // dot(dh, p), a cancellation any fp32 evaluation of dh shares (the single
+          // op's dot(dh, p) too); 2e-4 of max-abs in dlse there.
+          c.input_norm = c.norm_weight = k % 4 == 1 && size <= 1;
+          c.update = k % 5 == 2;
+          c.scale = 0.8;
+          c.source_pad = k % 3;
+          c.seed = 500 + k;
+          ++k;
+          CheckPhase2(c);
+        }
       }
     }
   }

@@ -737,6 +737,10 @@ struct Phase2Case {
   // writes p' (new_partial); bit 1, the backward adds grad_partial_in. Both need a
   // partial block; with bit 0 the backward reads p' as its partial block.
   int fused = 0;
+  // Sharp depth attention (SPEC §3): when merge_gap != 0, lse = z_p + merge_gap per
+  // token, so that the merge weights are sigmoid(+-merge_gap): one of them down to
+  // 1e-13 at a gap of 30, the partial block partial_size times the others in size.
+  double merge_gap = 0, partial_size = 1;
 };
 
 // The bits of a + b computed as a separate addition would (in the accumulation
@@ -774,14 +778,15 @@ void RunPhase2(const Phase2Case& c, uint64_t seed) {
   const bool update = c.partial && (c.fused & 1);
   const bool grad_in = c.partial && (c.fused & 2) && !(c.null_grads & 2);
   char desc[256];
-  snprintf(desc, sizeof desc, "%s T=%ld D=%ld rmsnorm=%d partial=%d input_norm=%d dw=%d mis=%d pad=%d null_grads=0x%x fused=%d",
+  snprintf(desc, sizeof desc, "%s T=%ld D=%ld rmsnorm=%d partial=%d input_norm=%d dw=%d mis=%d pad=%d null_grads=0x%x fused=%d"
+           " merge_gap=%g partial_size=%g",
            DtypeName<T>(), (long)T_, (long)D, c.rmsnorm, c.partial, c.input_norm, c.weight_grads, c.mis, c.pad, c.null_grads,
-           (update ? 1 : 0) | (grad_in ? 2 : 0));
+           (update ? 1 : 0) | (grad_in ? 2 : 0), c.merge_gap, c.partial_size);
   g_case = desc;
   g_case_failed = false;
   Rng rng(seed);
   Mat<T> o(T_, D, St, c.mis), p(T_, D, St, c.mis), g(T_, D, St + 3, c.mis);
-  o.Fill(rng); p.Fill(rng); g.Fill(rng);
+  o.Fill(rng); p.Fill(rng, c.partial_size); g.Fill(rng);
   // The fused update's y (a sub-layer's output, smaller than p), the p' = p + y it
   // must give (the backward's partial block), and the gradient p' gets elsewhere.
   Mat<T> y(T_, D, St, c.mis), p_new(T_, D, St, c.mis), g_in(T_, D, St + 3, c.mis);
@@ -796,9 +801,23 @@ void RunPhase2(const Phase2Case& c, uint64_t seed) {
   Buf lse(T_ * sizeof(Acc));
   for (int64_t t = 0; t < T_; ++t) lse.template at<Acc>()[t] = static_cast<Acc>(1.0 + rng.Normal());
   Mat<T> w(1, D, D, 0), gamma(1, D, D, 0), nw(1, D, D, 0);
-  w.Fill(rng, 0.1);
+  // Without RMSNorm, w / partial_size keeps z_p of order one (a logit of 1000 has
+  // an fp32 ulp of 6e-5: that would measure large logits, not sharp ones).
+  w.Fill(rng, c.rmsnorm ? 0.1 : 0.1 / c.partial_size);
   gamma.Fill(rng, 0.2, 1.0);
   nw.Fill(rng, 0.2, 1.0);
+  if (c.merge_gap != 0 && c.partial) {
+    const std::vector<double> pv = merged.Dense(), wv = w.Dense(), gv = gamma.Dense();
+    for (int64_t t = 0; t < T_; ++t) {
+      double dot = 0, sum_sq = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        dot += wv[d] * (c.rmsnorm ? gv[d] : 1.0) * pv[t * D + d];
+        sum_sq += pv[t * D + d] * pv[t * D + d];
+      }
+      const double r = c.rmsnorm ? std::sqrt(sum_sq / D + eps) : 1.0;
+      lse.template at<Acc>()[t] = static_cast<Acc>(scale * dot / r + c.merge_gap);
+    }
+  }
 
   ref::Phase2Problem prob;
   prob.tokens = T_; prob.dim = D; prob.has_partial = c.partial; prob.rmsnorm = c.rmsnorm; prob.input_norm = c.input_norm;
@@ -1071,6 +1090,27 @@ int main(int argc, char** argv) {
         {150, 4, 1, true, true, true, true, 0, 0, 0, {1, 2}, 3},
     };
     for (const Phase2Case& c : cases) { EACH_TYPE(true, RunPhase2<T>(c, seed)); ++seed; }
+    // Sharp merges: lse - z_p = +-5 .. +-30 (beta or 1 - beta down to 1e-13), the
+    // partial block 1e-3, 1 and 1e3 times o, rmsnorm on and off, with the input norm
+    // and the fused update in some. fp16 runs those its range holds (as SharpFamily
+    // in tests/cpp/test_util.cc: sizes 1e-2 to 10, smallest gradients above 1e-5).
+    int k = 0;
+    for (double gap : {5.0, 10.0, 20.0, 30.0}) {
+      for (double sign : {1.0, -1.0}) {
+        for (double size : {1e-3, 1.0, 1e3}) {
+          // The input norm only with partial blocks up to o's size (see
+          // tests/cpp/test_two_phase.cc Phase2SharpMergesMatchReference).
+          Phase2Case c{17, 9, k % 3, k % 2 == 0, true, k % 4 == 1 && size <= 1, true, k % 3, k % 2, 0, {1, 2},
+                       k % 5 == 2 ? 3 : 0};
+          c.merge_gap = sign * gap;
+          c.partial_size = size;
+          ++k;
+          const bool fp16_range = size >= 1e-2 && size <= 10 && std::exp(-gap) * std::min(size, 1.0) >= 1e-5;
+          EACH_TYPE(true, if (fp16_range || !std::is_same_v<T, __half>) RunPhase2<T>(c, seed));
+          ++seed;
+        }
+      }
+    }
   }
 
   int failures = 0;
