@@ -34,7 +34,16 @@ def reference_block_attn_res(blocks: Sequence[Tensor], partial: Optional[Tensor]
         k = v
     logits = scale * torch.einsum("d,...ld->...l", w.to(acc), k)         # [..., L]
     alpha = logits.softmax(dim=-1)
-    return torch.einsum("...l,...ld->...d", alpha, v).to(out_dtype)
+    # h = v_pivot + sum_l alpha_l (v_l - v_pivot), pivot the source of the largest
+    # weight: the same h, but autograd's softmax backward then sees dL/dalpha_l =
+    # dot(g, v_l - v_pivot), so alpha_pivot (0 - sum_l alpha_l (...)) is formed from
+    # small terms instead of ga_pivot - sum_l alpha_l ga_l, a difference of two
+    # numbers near ga_pivot (1e-3 off in float64 at weights of 1e-13: SPEC §3's sharp
+    # depth attention).
+    pivot = alpha.detach().argmax(dim=-1, keepdim=True)                  # [..., 1]
+    v_pivot = v.gather(-2, pivot.unsqueeze(-1).expand(*pivot.shape, v.shape[-1]))  # [..., 1, D]
+    h = v_pivot.squeeze(-2) + torch.einsum("...l,...ld->...d", alpha, v - v_pivot)
+    return h.to(out_dtype)
 
 
 class ReferenceBlockAttnRes(nn.Module):

@@ -88,6 +88,10 @@ def reference_backward(grad_h, blocks, partial, w, gamma, scale, eps, rmsnorm):
     k, _ = _keys(v, _f64(gamma), eps, rmsnorm)
 
     ga = torch.einsum("btd,btld->btl", g, v)  # [B,T,L]
+    # gz = alpha (ga - sum alpha ga) with ga taken relative to the source of the
+    # largest weight: exact differences instead of ga_pivot - sum, which keeps
+    # nothing of a 1e-13 weight's share in float64 (SPEC §3, sharp depth attention).
+    ga = ga - ga.gather(-1, alpha.argmax(dim=-1, keepdim=True))
     gz = alpha * (ga - (alpha * ga).sum(dim=-1, keepdim=True))  # [B,T,L]
     gk = scale * gz.unsqueeze(-1) * w64  # [B,T,L,D]
     dv = alpha.unsqueeze(-1) * g.unsqueeze(2)  # [B,T,L,D]
