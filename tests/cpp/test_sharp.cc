@@ -84,15 +84,7 @@ TEST(Sharp, SingleOpMatchesTheReference) {
 
 // A dense [count] tensor of `dtype` holding v (rounded to it), or sentinel bytes.
 Buffer DenseBuffer(attnres_dtype dtype, size_t count, const Vec& v = {}) {
-  Buffer b(dtype, count, v.empty() ? kOutputSentinel : kInputPadding);
-  for (size_t i = 0; i < v.size(); ++i) b.Set(i, v[i]);
-  return b;
-}
-
-Vec Values(const Buffer& b) {
-  Vec v(b.count());
-  for (size_t i = 0; i < v.size(); ++i) v[i] = b.Get(i);
-  return v;
+  return v.empty() ? Buffer(dtype, count, kOutputSentinel) : InputBuffer(dtype, v);
 }
 
 Vec Slice(const Vec& v, size_t begin, size_t count) {

@@ -84,18 +84,6 @@ class Rows {
   Buffer buf_;
 };
 
-Buffer Dense(attnres_dtype dtype, const Vec& v) {
-  Buffer b(dtype, v.size(), kInputPadding);
-  for (size_t i = 0; i < v.size(); ++i) b.Set(i, v[i]);
-  return b;
-}
-
-Vec ReadDense(const Buffer& b) {
-  Vec v(b.count());
-  for (size_t i = 0; i < v.size(); ++i) v[i] = b.Get(i);
-  return v;
-}
-
 std::vector<unsigned char> Bytes(const Buffer& b) {
   return std::vector<unsigned char>(b.bytes(), b.bytes() + b.total_bytes());
 }
@@ -171,8 +159,8 @@ class Phase1Abi {
       blocks_.back().Write(ref.blocks[i]);
     }
     for (auto& b : blocks_) block_ptrs_.push_back(b.data());
-    w_ = Dense(dt, ref.w);
-    if (c.gamma) gamma_ = Dense(dt, gamma_values_);
+    w_ = InputBuffer(dt, ref.w);
+    if (c.gamma) gamma_ = InputBuffer(dt, gamma_values_);
     for (int64_t s = 0; s < S; ++s) {
       outs_.emplace_back(dt, T, D, D + c.out_pad, kOutputSentinel);
       lses_.emplace_back(acc, T, kOutputSentinel);
@@ -182,7 +170,7 @@ class Phase1Abi {
         gouts_.emplace_back(dt, T, D, D + c.grad_out_pad, kInputPadding);
         gouts_.back().Write(grad_outs[s]);
       }
-      glses_.push_back(grad_lses[s].empty() ? Buffer() : Dense(acc, grad_lses[s]));
+      glses_.push_back(grad_lses[s].empty() ? Buffer() : InputBuffer(acc, grad_lses[s]));
     }
     for (int64_t s = 0; s < S; ++s) {
       out_ptrs_.push_back(outs_[s].data());
@@ -232,7 +220,7 @@ class Phase1Abi {
     f.error = f.status == ATTNRES_OK ? "" : attnres_last_error();
     for (int64_t s = 0; s < c_.queries; ++s) {
       f.outs.push_back(outs_[s].Read());
-      f.lses.push_back(ReadDense(lses_[s]));
+      f.lses.push_back(Values(lses_[s]));
       if (!outs_[s].OutsideIs(kOutputSentinel)) f.layout += "query_outs[" + std::to_string(s) + "] padding/guard written; ";
       if (!lses_[s].GuardIntact(kOutputSentinel)) f.layout += "query_lses[" + std::to_string(s) + "] guard written; ";
     }
@@ -283,8 +271,8 @@ class Phase1Abi {
       }
       if (!gblocks_[i].OutsideIs(kOutputSentinel)) b.layout += "grad_blocks[" + std::to_string(i) + "] padding/guard written; ";
     }
-    if (!skip_w) b.grad_w = ReadDense(gw_);
-    if (!skip_gamma && c_.rmsnorm) b.grad_gamma = ReadDense(ggamma_);
+    if (!skip_w) b.grad_w = Values(gw_);
+    if (!skip_gamma && c_.rmsnorm) b.grad_gamma = Values(ggamma_);
     if (!gw_.GuardIntact(kOutputSentinel) || !ggamma_.GuardIntact(kOutputSentinel)) b.layout += "dw/dgamma guard written; ";
     if ((skip_gamma || !c_.rmsnorm) && !ggamma_.BytesAre(0, ggamma_.count(), kOutputSentinel)) b.layout += "grad_gamma written; ";
     if (InputBytes() != before) b.layout += "an input was modified; ";
@@ -418,10 +406,10 @@ class Phase2Abi {
         ref.lse[t] = RoundToDType(z_p + c.merge_gap, acc);
       }
     }
-    lse_ = Dense(acc, ref.lse);
-    w_ = Dense(dt, ref.w);
-    if (c.gamma) gamma_ = Dense(dt, ref.gamma);
-    if (c.norm_weight) nw_ = Dense(dt, ref.norm_weight);
+    lse_ = InputBuffer(acc, ref.lse);
+    w_ = InputBuffer(dt, ref.w);
+    if (c.gamma) gamma_ = InputBuffer(dt, ref.gamma);
+    if (c.norm_weight) nw_ = InputBuffer(dt, ref.norm_weight);
     out_ = Rows(dt, T, D, D + c.out_pad, kOutputSentinel);
     gout_ = Rows(dt, T, D, D + c.grad_out_pad, kInputPadding);
     gout_.Write(grad);
@@ -511,11 +499,11 @@ class Phase2Abi {
     b.status = attnres_phase2_backward(&p);
     b.error = b.status == ATTNRES_OK ? "" : attnres_last_error();
     b.grad_out = gq_.Read();
-    b.grad_lse = ReadDense(glse_);
+    b.grad_lse = Values(glse_);
     if (c_.partial) b.grad_partial = gp_.Read();
-    b.grad_w = ReadDense(gw_);
-    if (c_.rmsnorm) b.grad_gamma = ReadDense(gg_);
-    if (c_.input_norm) b.grad_norm_weight = ReadDense(gnw_);
+    b.grad_w = Values(gw_);
+    if (c_.rmsnorm) b.grad_gamma = Values(gg_);
+    if (c_.input_norm) b.grad_norm_weight = Values(gnw_);
     if (!gq_.OutsideIs(kOutputSentinel) || !gp_.OutsideIs(kOutputSentinel)) b.layout += "grad row padding/guard written; ";
     for (const Buffer* x : {&glse_, &gw_, &gg_, &gnw_}) {
       if (!x->GuardIntact(kOutputSentinel)) b.layout += "a guard was written; ";

@@ -250,10 +250,10 @@ std::string Case::Describe() const {
   return s.str();
 }
 
-attnres::ref::Problem MakeProblem(const Case& c) {
-  std::mt19937_64 rng(c.seed);
-  std::normal_distribution<double> normal(0.0, 1.0);
-  std::uniform_real_distribution<double> spread(0.5, 2.0);
+namespace {
+
+// A problem with c's sizes and flags, and no values yet.
+attnres::ref::Problem ProblemWithoutValues(const Case& c) {
   attnres::ref::Problem p;
   p.tokens = c.tokens;
   p.dim = c.dim;
@@ -262,6 +262,16 @@ attnres::ref::Problem MakeProblem(const Case& c) {
   p.rmsnorm = c.rmsnorm;
   p.scale = c.scale;
   p.eps = c.eps;
+  return p;
+}
+
+}  // namespace
+
+attnres::ref::Problem MakeProblem(const Case& c) {
+  std::mt19937_64 rng(c.seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::uniform_real_distribution<double> spread(0.5, 2.0);
+  attnres::ref::Problem p = ProblemWithoutValues(c);
   const int64_t L = c.num_sources();
   p.sources.resize(L);
   for (int64_t i = 0; i < L; ++i) {
@@ -291,14 +301,7 @@ attnres::ref::Problem MakeSharpProblem(const Case& c, const SharpLogits& sharp) 
   std::mt19937_64 rng(c.seed);
   std::normal_distribution<double> normal(0.0, 1.0);
   std::uniform_real_distribution<double> spread(0.5, 2.0);
-  attnres::ref::Problem p;
-  p.tokens = c.tokens;
-  p.dim = c.dim;
-  p.num_blocks = c.num_blocks;
-  p.has_partial = c.has_partial;
-  p.rmsnorm = c.rmsnorm;
-  p.scale = c.scale;
-  p.eps = c.eps;
+  attnres::ref::Problem p = ProblemWithoutValues(c);
   const int64_t L = c.num_sources(), N = c.num_blocks, T = c.tokens, D = c.dim;
   std::vector<bool> favoured(L);
   for (int64_t i = 0; i < L; ++i) {
@@ -378,6 +381,18 @@ std::vector<double> MakeGradOut(const Case& c) {
 
 // ---------------------------------------------------------------------------
 // Reading back.
+
+Buffer InputBuffer(attnres_dtype dtype, const std::vector<double>& v) {
+  Buffer b(dtype, v.size(), kInputPadding);
+  for (size_t i = 0; i < v.size(); ++i) b.Set(i, v[i]);
+  return b;
+}
+
+std::vector<double> Values(const Buffer& b) {
+  std::vector<double> v(b.count());
+  for (size_t i = 0; i < v.size(); ++i) v[i] = b.Get(i);
+  return v;
+}
 
 std::vector<double> ReadRows(const Buffer& b, int64_t rows, int64_t dim, int64_t stride,
                              const std::string& name, std::string* layout_error) {

@@ -175,6 +175,11 @@ std::vector<double> MakeGradOut(const Case& c);
 // ---------------------------------------------------------------------------
 // Running through the C ABI.
 
+// A dense input tensor of `dtype` holding v (its guard kInputPadding), and every
+// element of a buffer, upcast.
+Buffer InputBuffer(attnres_dtype dtype, const std::vector<double>& v);
+std::vector<double> Values(const Buffer& b);
+
 // Upcasts a [rows, dim] tensor with the given row stride from b's host bytes;
 // appends to *layout_error when the padding between rows or the guard no
 // longer holds kOutputSentinel.
