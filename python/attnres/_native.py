@@ -584,12 +584,12 @@ def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
     num_blocks = len(blocks)
     if not _contiguous:
         sources, stride = _rows(sources, dim)
-        first = sources[0]
         proj_weight = proj_weight.contiguous()
         if gamma is not None:
             gamma = gamma.contiguous()
     else:
         stride = dim
+    first = sources[0]
     tokens = first.numel() // dim if dim else 0
     device, stream = (_DEVICE_CPU, 0) if first.is_cpu else _stream_and_device(function, first)
     on_cpu = device == _DEVICE_CPU

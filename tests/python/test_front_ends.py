@@ -175,3 +175,16 @@ def test_cpu_isas_lists_what_set_cpu_isa_accepts_best_first():
     assert attnres.cpu_isa() == automatic
     if "ATTNRES_CPU_ISA" not in os.environ:
         assert automatic == isas[0]
+
+
+def test_native_backward_with_contiguous_inputs_flag_gives_the_same_gradients():
+    """_native.backward(..., _contiguous=True): the caller vouches that every source, w
+    and gamma is contiguous, and the call skips its own row checks (it once read the
+    first source from a name only the other branch set)."""
+    blocks, partial, w, gamma = inputs()
+    grad = torch.randn_like(blocks[0])
+    kw = dict(scale=0.9, eps=1e-6, rmsnorm=True)
+    plain = _native.backward(grad, blocks, partial, w, gamma, **kw)
+    vouched = _native.backward(grad, blocks, partial, w, gamma, **kw, _contiguous=True)
+    for a, b in zip(plain[0] + list(plain[1:]), vouched[0] + list(vouched[1:])):
+        assert (a is None and b is None) or torch.equal(a, b)
