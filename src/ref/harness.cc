@@ -75,23 +75,8 @@ std::string CaseSpec::Describe() const {
 double Errors::WorstForward() const { return std::max({out, rms, alpha, lse}); }
 double Errors::WorstBackward() const { return std::max({grad_sources, grad_w, grad_gamma}); }
 
-double ForwardTolerance(attnres_dtype dtype) {
-  switch (dtype) {
-    case ATTNRES_DTYPE_FLOAT64: return 1e-10;
-    case ATTNRES_DTYPE_FLOAT32: return 1e-5;
-    case ATTNRES_DTYPE_BFLOAT16: return 8e-3;
-    case ATTNRES_DTYPE_FLOAT16: return 1e-3;
-  }
-  return 0;
-}
-
-double BackwardTolerance(attnres_dtype dtype) {
-  switch (dtype) {
-    case ATTNRES_DTYPE_FLOAT64: return 1e-10;
-    case ATTNRES_DTYPE_FLOAT32: return 1e-4;
-    default: return 1e-2;
-  }
-}
+double ForwardTolerance(attnres_dtype dtype) { return ref::SpecTolerance(dtype).out; }
+double BackwardTolerance(attnres_dtype dtype) { return ref::SpecTolerance(dtype).grad; }
 
 const char* DtypeName(attnres_dtype dtype) { return attnres::DtypeName(dtype); }
 

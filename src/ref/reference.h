@@ -6,7 +6,27 @@
 #include <cstdint>
 #include <vector>
 
+#include "attnres/attnres.h"
+
 namespace attnres::ref {
+
+// SPEC §3, the one copy of the table: how close every backend must come to this
+// reference, as each output's max error relative to the reference tensor's
+// max-abs: h; every gradient (dw and dgamma included); the rms/alpha caches and
+// phase 1's lse (accumulation type). 16-bit inputs are compared with the reference
+// fed the same 16-bit values.
+struct Tolerance {
+  double out, grad, cache;
+};
+constexpr Tolerance SpecTolerance(attnres_dtype dtype) {
+  switch (dtype) {
+    case ATTNRES_DTYPE_FLOAT32: return {1e-5, 1e-4, 1e-5};
+    case ATTNRES_DTYPE_FLOAT64: return {1e-10, 1e-10, 1e-10};
+    case ATTNRES_DTYPE_BFLOAT16: return {8e-3, 1e-2, 1e-5};
+    case ATTNRES_DTYPE_FLOAT16: return {1e-3, 1e-2, 1e-5};
+    default: return {0, 0, 0};
+  }
+}
 
 // One problem, dense, in float64. Sources are the N blocks followed by the
 // partial block when there is one; each holds tokens*dim values, token-major.

@@ -762,15 +762,6 @@ double RelMaxError(const std::vector<double>& actual,
   return fail << detail.str();
 }
 
-Tolerance ToleranceFor(attnres_dtype dtype) {
-  switch (dtype) {
-    case ATTNRES_DTYPE_FLOAT32: return {1e-5, 1e-4, 1e-5};
-    case ATTNRES_DTYPE_FLOAT64: return {1e-10, 1e-10, 1e-10};
-    case ATTNRES_DTYPE_BFLOAT16: return {8e-3, 1e-2, 1e-5};
-    case ATTNRES_DTYPE_FLOAT16: return {1e-3, 1e-2, 1e-5};
-  }
-  return {0, 0, 0};
-}
 
 void ExpectForwardClose(const Case& c, const ForwardOutput& got,
                         const attnres::ref::ForwardResult& ref, bool caches) {

@@ -319,13 +319,8 @@ double RelMaxError(const std::vector<double>& actual,
                                  const std::vector<double>& actual,
                                  const std::vector<double>& expected, double tol);
 
-struct Tolerance {
-  double out;    // h
-  double grad;   // every gradient tensor, dw and dgamma included
-  double cache;  // rms / alpha caches (accumulation dtype)
-};
-// SPEC §3.
-Tolerance ToleranceFor(attnres_dtype dtype);
+using attnres::ref::Tolerance;
+inline Tolerance ToleranceFor(attnres_dtype dtype) { return attnres::ref::SpecTolerance(dtype); }
 
 // A successful call, untouched padding, guards and inputs, and every output
 // within ToleranceFor(c.dtype) of the oracle: the caches when `caches` (rms with

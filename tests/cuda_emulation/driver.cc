@@ -5,7 +5,7 @@
 // block_attn_res_generic.cuh, common.cuh's ReduceRowsKernel and the device
 // half of two_phase.cu) in emu.h's fiber emulator and compares every output
 // against src/ref (reference.h, two_phase_reference.h) with the tolerances of
-// docs/SPEC.md §3 / tests/cpp/test_util.cc ToleranceFor (relative max error
+// docs/SPEC.md §3 (ref::SpecTolerance, src/ref/reference.h: relative max error
 // against the reference's max-abs). It also reruns each backward with a second
 // (capped) grid size and requires identical bits for the source gradients and
 // dw/dgamma (docs/CUDA.md: the bits depend on the problem only).
@@ -87,14 +87,12 @@ static void CountDeterminism(int grid_a, int grid_b) {
   if (grid_a != grid_b) ++f.det_distinct;
 }
 
-struct Tolerance {
-  double out, grad, cache;
-};
-template <typename T> Tolerance ToleranceOf();
-template <> Tolerance ToleranceOf<float>() { return {1e-5, 1e-4, 1e-5}; }
-template <> Tolerance ToleranceOf<double>() { return {1e-10, 1e-10, 1e-10}; }
-template <> Tolerance ToleranceOf<__nv_bfloat16>() { return {8e-3, 1e-2, 1e-5}; }
-template <> Tolerance ToleranceOf<__half>() { return {1e-3, 1e-2, 1e-5}; }
+using ref::Tolerance;
+static attnres_dtype DtypeOf(float*) { return ATTNRES_DTYPE_FLOAT32; }
+static attnres_dtype DtypeOf(double*) { return ATTNRES_DTYPE_FLOAT64; }
+static attnres_dtype DtypeOf(__half*) { return ATTNRES_DTYPE_FLOAT16; }
+static attnres_dtype DtypeOf(__nv_bfloat16*) { return ATTNRES_DTYPE_BFLOAT16; }
+template <typename T> Tolerance ToleranceOf() { return ref::SpecTolerance(DtypeOf(static_cast<T*>(nullptr))); }
 
 static const char* Name(float*) { return "fp32"; }
 static const char* Name(double*) { return "fp64"; }

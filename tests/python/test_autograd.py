@@ -11,6 +11,7 @@ import torch
 import attnres.ops as ops
 from attnres.functional import block_attn_res_fn
 from model_reference import reference_block_attn_res
+from torch_reference import TOLERANCE
 
 SHAPE = (2, 3, 8)  # [B, T, D]
 
@@ -59,7 +60,7 @@ def test_gradcheck_float64(opt):
 
 
 @pytest.mark.parametrize("dtype,fwd_tol,grad_tol", [
-    (torch.float64, 1e-12, 1e-10), (torch.float32, 1e-5, 1e-4), (torch.bfloat16, 8e-3, 1e-2)])
+    (d, *TOLERANCE[d][:2]) for d in (torch.float64, torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("rmsnorm", [True, False])
 def test_matches_reference(dtype, fwd_tol, grad_tol, rmsnorm):
     shape = (2, 5, 32)

@@ -24,7 +24,7 @@ import attnres
 from attnres import block_attn_res_fn, block_attn_res_phase1, block_attn_res_phase2
 from attnres.nn import BlockAttnRes, BlockAttnResStream
 from model_reference import reference_block_attn_res
-from torch_reference import reference_phase1, reference_phase2, rel_err
+from torch_reference import TOLERANCE, reference_phase1, reference_phase2, rel_err
 
 F64 = torch.float64
 DEVICE = os.environ.get("ATTNRES_CUDA_TEST_DEVICE", "cuda")
@@ -42,12 +42,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs a CUDA device and libattnres built with ATTNRES_CUDA=ON")
 
 # SPEC section 3: (output, gradients) relative to max|reference|.
-TOL = {
-    torch.float64: (1e-12, 1e-10),
-    torch.float32: (1e-5, 1e-4),
-    torch.bfloat16: (8e-3, 1e-2),
-    torch.float16: (1e-3, 1e-2),
-}
+TOL = {d: TOLERANCE[d][:2] for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
 DTYPES = list(TOL)
 DTYPE_IDS = ["f64", "f32", "bf16", "f16"]
 

@@ -22,7 +22,7 @@ from torch import nn
 from attnres import block_attn_res_fn, block_attn_res_phase1, block_attn_res_phase2
 from attnres.nn import BlockAttnResStream
 from model_reference import reference_block_attn_res
-from torch_reference import rel_err
+from torch_reference import TOLERANCE, rel_err
 
 F32, F64 = torch.float32, torch.float64
 SCALE = 0.9
@@ -91,11 +91,12 @@ def test_fp32_matches_float64(path, favoured, gap, partial_size, rmsnorm):
     h, grads = gradients(fn, problem, F32, grad, rmsnorm)
     ref_h, ref_grads = gradients(lambda b, p, w, g, r: reference_block_attn_res(
         b, p, w, g, scale=SCALE, rmsnorm=r), problem, F64, grad, rmsnorm)
-    assert rel_err(h, ref_h) <= 1e-5
+    h_tol, grad_tol, _ = TOLERANCE[F32]
+    assert rel_err(h, ref_h) <= h_tol
     names = [f"block {i}" for i in range(len(problem[0]))] + ["partial", "w", "gamma"]
     for name, a, b in zip(names, grads, ref_grads):
         err = rel_err(a, b)
-        assert err <= 1e-4, f"d{name}: relative error {err:.3g}"
+        assert err <= grad_tol, f"d{name}: relative error {err:.3g}"
 
 
 # ---------------------------------------------------------------------------------
@@ -139,9 +140,10 @@ def test_stream_whose_final_query_favours_the_embedding(schedule):
             for v in (emb.double(), partial)]
     logits = torch.stack([res.scale * (k * res64.w[num].detach()).sum(-1) for k in keys], -1)
     assert logits.softmax(-1)[..., 1].max() < 1e-5
-    assert rel_err(y, y64) <= 1e-5
+    h_tol, grad_tol, _ = TOLERANCE[F32]
+    assert rel_err(y, y64) <= h_tol
     names = ["embedding"] + [n for n, _ in res.named_parameters()] + \
         [f"sublayer.{n}" for n, _ in layers.named_parameters()]
     for name, a, b in zip(names, grads, grads64):
         err = rel_err(a, b)
-        assert err <= 1e-4, f"{schedule}: d{name}: relative error {err:.3g}"
+        assert err <= grad_tol, f"{schedule}: d{name}: relative error {err:.3g}"

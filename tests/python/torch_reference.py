@@ -29,6 +29,16 @@ import torch
 
 F64 = torch.float64
 
+# SPEC section 3 (the C++ copy: src/ref/reference.h SpecTolerance): per dtype, (h, every
+# gradient, the accumulation-type caches) as max|x - ref| / max|ref|, 16-bit inputs
+# against the reference fed the same 16-bit values.
+TOLERANCE = {
+    torch.float32: (1e-5, 1e-4, 1e-5),
+    torch.float64: (1e-10, 1e-10, 1e-10),
+    torch.bfloat16: (8e-3, 1e-2, 1e-5),
+    torch.float16: (1e-3, 1e-2, 1e-5),
+}
+
 
 def _f64(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if x is None else x.detach().to(F64)
