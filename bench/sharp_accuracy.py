@@ -4,10 +4,10 @@ attnres against float64, each output's max error relative to its own max-abs.
 Cases (N = 64 tokens, D = 32, RMSNorm without gamma): one completed block along +1,
 the partial block along -1, w a multiple of ones giving a logit gap of 9.2 (the
 partial block's weight ~1e-4) or 13.8 (~1e-6), optionally with the partial block
-1000x the block; then a model, a stream of three Linear+tanh sub-layers in one block
-of four whose final query favours the embedding, both schedules (every parameter's
-gradient). Run it against another build with PYTHONPATH pointing at that build's
-package.
+1000x the block; then a model (tests/python/model_reference.py
+embedding_favouring_stream: three Linear+tanh sub-layers in one block of four, the
+final query favouring the embedding), both schedules, every parameter's gradient.
+Run it against another build with PYTHONPATH pointing at that build's package.
 
     python3 bench/sharp_accuracy.py
 """
@@ -19,12 +19,10 @@ import os
 import sys
 
 import torch
-from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
 import attnres  # noqa: E402
-from attnres.nn import BlockAttnResStream  # noqa: E402
-from model_reference import reference_block_attn_res  # noqa: E402
+from model_reference import embedding_favouring_stream, reference_block_attn_res  # noqa: E402
 
 F32, F64 = torch.float32, torch.float64
 
@@ -59,18 +57,7 @@ def op_errors(path, gap, partial_size):
 
 
 def stream_error(schedule):
-    dim, num = 16, 3
-    g = torch.Generator().manual_seed(4)
-    res = BlockAttnResStream(dim, num, 4, schedule=schedule, input_norm=True)
-    layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(num))
-    with torch.no_grad():
-        res.w.copy_(0.3 * torch.randn(res.w.shape, generator=g))
-        res.w[num].fill_(1.0)  # the embedding (keys near +1) wins the final mix
-        for layer in layers:
-            layer[0].weight.copy_(torch.randn(dim, dim, generator=g) / dim ** 0.5)
-            layer[0].bias.copy_(0.1 * torch.randn(dim, generator=g))
-    emb = 1 + 0.2 * torch.randn(2, 6, dim, generator=g)
-    gy = torch.randn(2, 6, dim, generator=g)
+    res, layers, emb, gy = embedding_favouring_stream(schedule)
 
     def run(res, layers, dtype):
         stream = res.begin(emb.to(dtype))

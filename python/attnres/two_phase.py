@@ -12,7 +12,8 @@ only the partial block ``p`` differs. So, per token (``u_s = w_s * gamma_s``,
         o_s   = sum_i exp(z_si - lse_s) v_i               (the blocks' dtype)
     phase 2 (per sub-layer s)
         z_p   = scale * dot(u_s, p) / r_p,  beta = sigmoid(lse_s - z_p)
-        h     = beta o_s + (1 - beta) p                   (h = o_s without p)
+        h     = beta o_s + keep p,  keep = sigmoid(z_p - lse_s)  (1 - beta, formed on its own;
+                                                          h = o_s without p)
         out   = h, or RMSNorm(h) * norm_weight            (the sub-layer's input norm, fused)
 
 In exact arithmetic ``h`` is the single op over ``[v_0, ..., v_{N-1}, p]``.

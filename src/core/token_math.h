@@ -145,7 +145,7 @@ struct MergeWeights {
 template <typename A>
 ATTNRES_HD MergeWeights<A> MergeWeightsOf(A lse, A z_p) {
   const A x = lse - z_p;
-  const A e = Exp(x >= 0 ? -x : x);  // exp(-|x|), in (0, 1]
+  const A e = Exp(x >= 0 ? -x : x);  // exp(-|x|), in [0, 1]
   const A big = A(1) / (A(1) + e), small = e / (A(1) + e);
   return x >= 0 ? MergeWeights<A>{big, small} : MergeWeights<A>{small, big};
 }

@@ -8,7 +8,8 @@
 //             lse_s   = log sum_i exp(z_{s,i})
 //             o_s     = sum_i exp(z_{s,i} - lse_s) v_i
 //   phase 2   z_p  = scale * dot(u, p) / r_p,  beta = sigmoid(lse - z_p)
-//             h    = beta * o + (1 - beta) * p              (h = o without p)
+//             h    = beta * o + keep * p,  keep = sigmoid(z_p - lse) = 1 - beta
+//                                                       (h = o without p)
 //             out  = h, or h / sqrt(mean(h^2) + norm_eps) * norm_weight (input_norm)
 #ifndef ATTNRES_SRC_REF_TWO_PHASE_REFERENCE_H_
 #define ATTNRES_SRC_REF_TWO_PHASE_REFERENCE_H_

@@ -84,6 +84,7 @@ TEST(Sharp, SingleOpMatchesTheReference) {
 
 // A dense [count] tensor of `dtype` holding v (rounded to it), or sentinel bytes.
 Buffer DenseBuffer(attnres_dtype dtype, size_t count, const Vec& v = {}) {
+  EXPECT_TRUE(v.empty() || v.size() == count);
   return v.empty() ? Buffer(dtype, count, kOutputSentinel) : InputBuffer(dtype, v);
 }
 

@@ -366,7 +366,7 @@ class Phase2Abi {
       // p' = partial + y as the kernels form it: one addition in the accumulation type
       // (exact here in double, then rounded to float), rounded to the dtype; the
       // reference then merges p'.
-      update = rng.Normal(T * D, 0, 0.8, dt);
+      update = rng.Normal(T * D, 0, 0.8 * c.partial_size, dt);
       for (int64_t k = 0; k < T * D; ++k) {
         const double sum = previous[k] + update[k];
         ref.partial[k] = RoundToDType(dt == ATTNRES_DTYPE_FLOAT64 ? sum : double(float(sum)), dt);
@@ -902,35 +902,38 @@ TEST(TwoPhaseAbi, Phase2FusedUpdateMatchesReference) {
 }
 
 // Sharp merges (SPEC §3): lse - z_p = +-5 .. +-30, so beta or 1 - beta is down to
-// 1e-13, with the partial block 1e-3, 1 and 1e3 times o; RMSNorm, the input norm
-// and the fused update on and off. fp16 runs those its range holds (SharpFamily's
-// rule in test_util.h).
+// 1e-13, with the partial block SharpPartialSizes times o (in fp16 the cases
+// Fp16HoldsSharp), RMSNorm on and off for each; the input norm, the fused update
+// and the shapes vary from case to case.
 TEST(TwoPhaseAbi, Phase2SharpMergesMatchReference) {
   int k = 0;
   for (attnres_dtype dt : kAllDTypes) {
     for (double gap : {5.0, 10.0, 20.0, 30.0}) {
       for (double sign : {1.0, -1.0}) {
-        for (double size : {1e-3, 1.0, 1e3}) {
-          const bool fp16_range = size >= 1e-2 && size <= 10 && std::exp(-gap) * std::min(size, 1.0) >= 1e-5;
-          if (dt == ATTNRES_DTYPE_FLOAT16 && !fp16_range) continue;
-          Phase2Case c;
-          c.dtype = dt;
-          c.tokens = 9;
-          c.dim = k % 2 ? 33 : 64;
-          c.merge_gap = sign * gap;
-          c.partial_size = size;
-          c.rmsnorm = k % 3 != 2;
-          // Not the input norm with a large partial block: then h is close to p, dh is
-          // orthogonal to h, and dot(dh, o - p) is 1000x smaller than the terms of
-          // dot(dh, p), a cancellation any fp32 evaluation of dh shares (the single
-          // op's dot(dh, p) too); 2e-4 of max-abs in dlse there.
-          c.input_norm = c.norm_weight = k % 4 == 1 && size <= 1;
-          c.update = k % 5 == 2;
-          c.scale = 0.8;
-          c.source_pad = k % 3;
-          c.seed = 500 + k;
-          ++k;
-          CheckPhase2(c);
+        for (double size : SharpPartialSizes(dt)) {
+          if (dt == ATTNRES_DTYPE_FLOAT16 && !Fp16HoldsSharp(gap, size)) continue;
+          for (bool rmsnorm : {true, false}) {
+            Phase2Case c;
+            c.dtype = dt;
+            c.tokens = 9;
+            c.dim = k % 2 ? 33 : 64;
+            c.merge_gap = sign * gap;
+            c.partial_size = size;
+            c.rmsnorm = rmsnorm;
+            c.gamma = k % 3 != 1;
+            // The input norm only with a partial block of o's size: otherwise h is
+            // close to the larger of the two, dh (orthogonal to h) nearly so to it,
+            // and dot(dh, o - p) comes from terms 1000x its size, a cancellation any
+            // fp32 evaluation of dh shares (the single op's dot(dh, v_i) too): 1-2e-4
+            // of max-abs in dlse there.
+            c.input_norm = c.norm_weight = (k / 2) % 3 == 1 && size == 1;
+            c.update = (k / 3) % 4 == 2;
+            c.scale = 0.8;
+            c.source_pad = (k / 5) % 3;
+            c.seed = 500 + k;
+            ++k;
+            CheckPhase2(c);
+          }
         }
       }
     }

@@ -348,23 +348,26 @@ attnres::ref::Problem MakeSharpProblem(const Case& c, const SharpLogits& sharp) 
   return p;
 }
 
+bool Fp16HoldsSharp(double gap, double partial_size) {
+  return partial_size >= 1e-2 && partial_size <= 10 &&
+         std::exp(-gap) * std::min(partial_size, 1.0) >= 1e-5;
+}
+
+std::vector<double> SharpPartialSizes(attnres_dtype dtype) {
+  if (dtype == ATTNRES_DTYPE_FLOAT16) return {1e-2, 1.0, 10.0};
+  return {1e-3, 1.0, 1e3};
+}
+
 std::vector<SharpLogits> SharpFamily(attnres_dtype dtype, bool has_partial) {
   std::vector<Favoured> patterns = {Favoured::kFirstBlock, Favoured::kAllButFirstBlock};
   if (has_partial) patterns.insert(patterns.begin(), {Favoured::kBlocks, Favoured::kPartial});
-  const bool fp16 = dtype == ATTNRES_DTYPE_FLOAT16;
-  // Without RMSNorm dw grows with the square of the partial block's size, and fp16
-  // ends at 65504.
-  const std::vector<double> magnitudes =
-      fp16 ? std::vector<double>{1e-2, 1.0, 10.0} : std::vector<double>{1e-3, 1.0, 1e3};
   std::vector<SharpLogits> family;
   for (double gap : {0.0, 5.0, 10.0, 20.0, 30.0}) {
     for (Favoured favoured : patterns) {
-      for (double magnitude : magnitudes) {
-        if (!has_partial && magnitude != 1.0) continue;
-        // The smallest gradients are about exp(-gap) * magnitude: fp16 keeps 8 of its
-        // 10 bits down to 1e-5 (subnormals), and nothing below 6e-8.
-        if (fp16 && std::exp(-gap) * std::min(magnitude, 1.0) < 1e-5) continue;
-        family.push_back({gap, favoured, magnitude});
+      for (double size : SharpPartialSizes(dtype)) {
+        if (!has_partial && size != 1.0) continue;
+        if (dtype == ATTNRES_DTYPE_FLOAT16 && !Fp16HoldsSharp(gap, size)) continue;
+        family.push_back({gap, favoured, size});
       }
     }
   }

@@ -162,12 +162,18 @@ struct SharpLogits {
   double partial_magnitude = 1;  // the partial block's size next to the blocks'
   std::string Describe() const;
 };
+// Whether fp16 holds a sharp case's outputs: the partial block 1e-2 to 10 times the
+// others (without RMSNorm dw grows with the square of its size, and fp16 ends at
+// 65504), and the smallest gradients, about exp(-gap) * min(size, 1), at 1e-5 or
+// more (fp16 keeps 8 of its 10 bits there as subnormals, and nothing below 6e-8).
+bool Fp16HoldsSharp(double gap, double partial_size);
+// The partial block's sizes a sharp case list tries in `dtype`: 1e-3, 1, 1e3 times
+// the others, fp16 1e-2, 1, 10.
+std::vector<double> SharpPartialSizes(attnres_dtype dtype);
 // case.num_blocks >= 2; kBlocks and kPartial need case.has_partial.
 attnres::ref::Problem MakeSharpProblem(const Case& c, const SharpLogits& sharp);
 // The shared list: gaps 0, 5, 10, 20 and 30, every Favoured pattern that applies,
-// and the partial block 1e-3, 1 and 1e3 times the blocks. fp16's range narrows it:
-// the partial block 1e-2 to 10 times the blocks, and only the members whose
-// smallest gradients (about exp(-gap) times the partial block's size) reach 1e-5.
+// and SharpPartialSizes; in fp16 the members Fp16HoldsSharp.
 std::vector<SharpLogits> SharpFamily(attnres_dtype dtype, bool has_partial);
 // Random upstream gradient [tokens * dim], representable in case.dtype.
 std::vector<double> MakeGradOut(const Case& c);

@@ -789,7 +789,7 @@ void RunPhase2(const Phase2Case& c, uint64_t seed) {
   // must give (the backward's partial block), and the gradient p' gets elsewhere.
   Mat<T> y(T_, D, St, c.mis), p_new(T_, D, St, c.mis), g_in(T_, D, St + 3, c.mis);
   if (update) {
-    y.Fill(rng, 0.3);
+    y.Fill(rng, 0.3 * c.partial_size);
     for (int64_t t = 0; t < T_; ++t)
       for (int64_t d = 0; d < D; ++d)
         p_new.ptr()[t * St + d] = AddRounded<T>(p.ptr()[t * St + d], y.ptr()[t * St + d]);
@@ -1089,23 +1089,31 @@ int main(int argc, char** argv) {
     };
     for (const Phase2Case& c : cases) { EACH_TYPE(true, RunPhase2<T>(c, seed)); ++seed; }
     // Sharp merges: lse - z_p = +-5 .. +-30 (beta or 1 - beta down to 1e-13), the
-    // partial block 1e-3, 1 and 1e3 times o, rmsnorm on and off, with the input norm
-    // and the fused update in some. fp16 runs those its range holds (as SharpFamily
-    // in tests/cpp/test_util.cc: sizes 1e-2 to 10, smallest gradients above 1e-5).
+    // partial block 1e-3, 1 and 1e3 times o (fp16: 1e-2, 1 and 10 where it holds the
+    // gradients), RMSNorm on and off for each, the input norm, the fused update and
+    // the layouts varying from case to case: as tests/cpp/test_two_phase.cc's
+    // Phase2SharpMergesMatchReference and test_util.h's Fp16HoldsSharp.
     int k = 0;
     for (double gap : {5.0, 10.0, 20.0, 30.0}) {
       for (double sign : {1.0, -1.0}) {
-        for (double size : {1e-3, 1.0, 1e3}) {
-          // The input norm only with partial blocks up to o's size (see
-          // tests/cpp/test_two_phase.cc Phase2SharpMergesMatchReference).
-          Phase2Case c{17, 9, k % 3, k % 2 == 0, true, k % 4 == 1 && size <= 1, true, k % 3, k % 2, 0, {1, 2},
-                       k % 5 == 2 ? 3 : 0};
-          c.merge_gap = sign * gap;
-          c.partial_size = size;
-          ++k;
-          const bool fp16_range = size >= 1e-2 && size <= 10 && std::exp(-gap) * std::min(size, 1.0) >= 1e-5;
-          EACH_TYPE(true, if (fp16_range || !std::is_same_v<T, __half>) RunPhase2<T>(c, seed));
-          ++seed;
+        for (int s = 0; s < 3; ++s) {
+          for (bool rmsnorm : {true, false}) {
+            const double size = s == 0 ? 1e-3 : s == 1 ? 1.0 : 1e3;
+            const double fp16_size = s == 0 ? 1e-2 : s == 1 ? 1.0 : 10.0;
+            const bool fp16_holds = std::exp(-gap) * std::min(fp16_size, 1.0) >= 1e-5;
+            // The input norm only with a partial block of o's size (see the C++ test).
+            Phase2Case c{17, 9, (k / 2) % 3, rmsnorm, true, (k / 3) % 3 == 1 && s == 1, true,
+                         (k / 5) % 3, k % 2, 0, {1, 2}, (k / 7) % 4 == 2 ? 3 : 0};
+            c.merge_gap = sign * gap;
+            ++k;
+            ForTypes([&](auto* tag) {
+              using T = std::remove_pointer_t<decltype(tag)>;
+              constexpr bool kHalf = std::is_same_v<T, __half>;
+              c.partial_size = kHalf ? fp16_size : size;
+              if (fp16_holds || !kHalf) RunPhase2<T>(c, seed);
+            }, true);
+            ++seed;
+          }
         }
       }
     }

@@ -38,7 +38,7 @@ def reference_block_attn_res(blocks: Sequence[Tensor], partial: Optional[Tensor]
     # weight: the same h, but autograd's softmax backward then sees dL/dalpha_l =
     # dot(g, v_l - v_pivot), so alpha_pivot (0 - sum_l alpha_l (...)) is formed from
     # small terms instead of ga_pivot - sum_l alpha_l ga_l, a difference of two
-    # numbers near ga_pivot (1e-3 off in float64 at weights of 1e-13: SPEC §3's sharp
+    # numbers near ga_pivot (up to 1.5e-4 of max-abs off in float64: SPEC §3's sharp
     # depth attention).
     pivot = alpha.detach().argmax(dim=-1, keepdim=True)                  # [..., 1]
     v_pivot = v.gather(-2, pivot.unsqueeze(-1).expand(*pivot.shape, v.shape[-1]))  # [..., 1, D]
@@ -174,3 +174,25 @@ def randomize_attn_res(model: nn.Module, seed: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
             elif name.endswith(".gamma"):
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+def embedding_favouring_stream(schedule: str, dim: int = 16, num: int = 3):
+    """SPEC section 3's sharp regime in a model: a BlockAttnResStream (float32, input
+    norm) of `num` Linear+tanh sub-layers in one block of num + 1, whose final query
+    favours the embedding (keys near +1) by a logit gap of 20-26, so the partial block
+    keeps a weight of 1e-12 to 1e-9 in the final mix. Returns (res, layers, embedding,
+    grad_y)."""
+    from attnres.nn import BlockAttnResStream
+
+    g = torch.Generator().manual_seed(4)
+    res = BlockAttnResStream(dim, num, num + 1, schedule=schedule, input_norm=True)
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(num))
+    with torch.no_grad():
+        res.w.copy_(0.3 * torch.randn(res.w.shape, generator=g))
+        res.w[num].fill_(1.0)
+        for layer in layers:
+            layer[0].weight.copy_(torch.randn(dim, dim, generator=g) / dim ** 0.5)
+            layer[0].bias.copy_(0.1 * torch.randn(dim, generator=g))
+    emb = 1 + 0.2 * torch.randn(2, 6, dim, generator=g)
+    gy = torch.randn(2, 6, dim, generator=g)
+    return res, layers, emb, gy

@@ -7,8 +7,8 @@ gradients 1e-4), so a gradient scaled by a weight of 1e-13 counts as much as any
   of ones whose mean logits span `gap`, the partial block 1e-3, 1 and 1e3 times the
   blocks;
 - a model: a stream of three real sub-layers in one block of four whose final query
-  favours the embedding (the partial block's weight near 1e-7), both schedules, every
-  parameter's gradient against the same model in float64.
+  favours the embedding (the partial block's weight 1e-12 to 1e-9), both schedules,
+  every parameter's gradient against the same model in float64.
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 from attnres import block_attn_res_fn, block_attn_res_phase1, block_attn_res_phase2
-from attnres.nn import BlockAttnResStream
-from model_reference import reference_block_attn_res
+from model_reference import embedding_favouring_stream, reference_block_attn_res
 from torch_reference import TOLERANCE, rel_err
 
 F32, F64 = torch.float32, torch.float64
@@ -105,18 +103,8 @@ def test_fp32_matches_float64(path, favoured, gap, partial_size, rmsnorm):
 
 @pytest.mark.parametrize("schedule", ["two_phase", "per_layer"])
 def test_stream_whose_final_query_favours_the_embedding(schedule):
-    dim, num, block_size = 16, 3, 4
-    g = torch.Generator().manual_seed(4)
-    res = BlockAttnResStream(dim, num, block_size, schedule=schedule, input_norm=True)
-    layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(num))
-    with torch.no_grad():
-        res.w.copy_(0.3 * torch.randn(res.w.shape, generator=g))
-        res.w[num].fill_(1.0)  # the embedding's keys are near +1: a logit of ~14 above the rest
-        for layer in layers:
-            layer[0].weight.copy_(torch.randn(dim, dim, generator=g) / dim ** 0.5)
-            layer[0].bias.copy_(0.1 * torch.randn(dim, generator=g))
-    emb = 1 + 0.2 * torch.randn(2, 6, dim, generator=g)
-    gy = torch.randn(2, 6, dim, generator=g)
+    res, layers, emb, gy = embedding_favouring_stream(schedule)
+    num = len(layers)
 
     def run(res, layers, dtype, outputs=None):
         e = emb.to(dtype).requires_grad_(True)

@@ -121,7 +121,10 @@ def reference_backward(grad_h, blocks, partial, w, gamma, scale, eps, rmsnorm):
 
 
 def reference_backward_autograd(grad_h, blocks, partial, w, gamma, scale, eps, rmsnorm):
-    """Same as reference_backward, but by torch.autograd through reference_forward."""
+    """Same as reference_backward, but by torch.autograd through reference_forward.
+
+    Autograd's softmax backward is not in the pivot form: a cross-check for ordinary
+    weights only (at weights of 1e-13 it keeps little of their share)."""
     leaves = [_f64(b).clone().requires_grad_(True) for b in blocks]
     p = _f64(partial).clone().requires_grad_(True) if partial is not None else None
     w64 = _f64(w).clone().requires_grad_(True)
