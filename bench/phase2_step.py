@@ -1,8 +1,8 @@
 """Phase 2 alone, for A/B timing of two builds: one sub-layer's merge with the partial
 block and the input norm (the stream's configuration), forward without autograd and
 forward + backward through autograd, median of --repeat alternated runs, with the
-bytes moved and the read bandwidth this process measures (torch's sum of a large
-tensor). Point PYTHONPATH at another build's package to time that one, and
+bytes moved and the read bandwidth this process measures (bench_torch's
+stream_bandwidth). Point PYTHONPATH at another build's package to time that one, and
 alternate the two processes:
 
     for i in 1 2 3; do python3 bench/phase2_step.py; PYTHONPATH=/tmp/old python3 bench/phase2_step.py; done
@@ -13,20 +13,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 
 import attnres
-
-
-def median_ms(fn, repeat):
-    runs = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        runs.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(runs)
+from bench_torch import stream_bandwidth, time_ms
 
 
 def main():
@@ -56,19 +47,18 @@ def main():
         for t in (o, lse, p, w, gamma, nw):
             t.grad = None
 
-    big = torch.randn(64 << 20, generator=gen)  # 256 MB
-    read_ms = median_ms(lambda: big.sum(), 5)
+    read_gbps = stream_bandwidth(5, mib=256)["read_GBps"]
     fwd, both = [], []
     for _ in range(args.repeat):  # alternated: drift hits both alike
-        fwd.append(median_ms(forward, 1))
-        both.append(median_ms(forward_backward, 1))
+        fwd.append(time_ms(forward, 1, warmup=0))
+        both.append(time_ms(forward_backward, 1, warmup=0))
     row = args.tokens * args.dim * o.element_size()
     fwd_ms, both_ms = statistics.median(fwd), statistics.median(both)
     # Forward rows: o, p in, x out. Backward: o, p, g in, do, dp out (h recomputed).
     print(f"{os.path.dirname(attnres.__file__)}: {args.dtype} D={args.dim} T={args.tokens}: "
           f"forward {fwd_ms:.2f} ms ({3 * row / fwd_ms / 1e6:.1f} GB/s), forward+backward "
           f"{both_ms:.2f} ms ({8 * row / both_ms / 1e6:.1f} GB/s); read stream "
-          f"{big.numel() * 4 / read_ms / 1e6:.1f} GB/s")
+          f"{read_gbps:.1f} GB/s")
 
 
 if __name__ == "__main__":

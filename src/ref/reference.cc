@@ -80,8 +80,9 @@ BackwardResult Backward(const Problem& p, const std::vector<double>& grad_out) {
     }
     // The softmax backward gz_i = alpha_i (ga_i - sum_j alpha_j ga_j), with every ga
     // taken relative to the pivot's: when alpha_pivot is near 1, ga_pivot - sum is a
-    // tiny difference of two large numbers (up to 1.5e-4 of max-abs off in double in the sharp family of tests/cpp/test_util.h),
-    // while the sum of alpha_j (ga_j - ga_pivot) is formed from exact differences.
+    // tiny difference of two large numbers (up to 1.5e-4 of max-abs off in double in
+    // tests/cpp/test_util.h's sharp family), while the sum of alpha_j (ga_j - ga_pivot)
+    // is formed from exact differences.
     double mean_delta = 0;  // sum_j alpha_j * (ga_j - ga_pivot)
     for (int64_t j = 0; j < L; ++j) mean_delta += s.alpha[j] * (ga[j] - ga[pivot]);
     for (int64_t i = 0; i < L; ++i) {
