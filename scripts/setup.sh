@@ -3,19 +3,11 @@
 # Python 3.11 and pip (idempotent: quick when everything is there).
 set -euo pipefail
 
-need_apt=()
 # clang-16 (with its compiler-rt and OpenMP) builds the libFuzzer target
 # (scripts/fuzz.sh): the newest clang in Debian 12, and the first there that
 # compiles _Float16 on x86-64.
-for pkg in g++ cmake ninja-build libgtest-dev nlohmann-json3-dev \
-           clang-16 libclang-rt-16-dev libomp-16-dev; do
-  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
-done
-if ((${#need_apt[@]})); then
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
-fi
+bash "$(dirname "$0")/apt_install.sh" g++ cmake ninja-build libgtest-dev nlohmann-json3-dev \
+  clang-16 libclang-rt-16-dev libomp-16-dev
 
 # torch 2.13.0 is the CPU build on this machine's disk; any other version downloads GBs.
 python3 -c "import torch" 2>/dev/null || python3 -m pip install -q torch==2.13.0

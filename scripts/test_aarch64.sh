@@ -24,15 +24,7 @@ jobs=${ATTNRES_BUILD_JOBS:-$(nproc)}
 start=$SECONDS
 gtest_filter=${ATTNRES_AARCH64_GTEST_FILTER-"-StreamingStores.*:LargeOffsets.*:Determinism.F32ManyTokens"}
 
-need_apt=()
-for pkg in g++-aarch64-linux-gnu qemu-user googletest cmake ninja-build; do
-  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
-done
-if ((${#need_apt[@]})); then
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
-fi
+bash scripts/apt_install.sh g++-aarch64-linux-gnu qemu-user googletest cmake ninja-build
 
 toolchain=$PWD/cmake/aarch64-linux-gnu.cmake
 gtest_prefix=$PWD/$build/googletest
