@@ -197,22 +197,20 @@ class SwiGLU(nn.Module):
 #                           without the stream, and as a cross-check of it).
 # ---------------------------------------------------------------------------------
 
-class PlainResidual(nn.Module):
-    """Pre-norm residual stream: h <- h + f_i(norm_i(h)); output final_norm(h)."""
+class _Stream:
+    """One forward pass through a scheme: counts the sub-layers it has fed."""
 
-    def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6):
-        super().__init__()
-        self.num_sublayers = num_sublayers
-        self.norms = nn.ModuleList(nn.RMSNorm(dim, eps=eps) for _ in range(num_sublayers))
-        self.final_norm = nn.RMSNorm(dim, eps=eps)
+    def __init__(self, owner: "_Residual"):
+        self.owner, self.i = owner, 0
 
-    def begin(self, embedding: Tensor) -> "_PlainStream":
-        return _PlainStream(self, embedding)
+    def check_finished(self) -> None:
+        assert self.i == self.owner.num_sublayers, (self.i, self.owner.num_sublayers)
 
 
-class _PlainStream:
-    def __init__(self, owner: PlainResidual, embedding: Tensor):
-        self.owner, self.h, self.i = owner, embedding, 0
+class _PlainStream(_Stream):
+    def __init__(self, owner: "PlainResidual", embedding: Tensor):
+        super().__init__(owner)
+        self.h = embedding
 
     def next_input(self) -> Tensor:
         return self.owner.norms[self.i](self.h)
@@ -222,39 +220,13 @@ class _PlainStream:
         self.i += 1
 
     def finish(self) -> Tensor:
-        assert self.i == self.owner.num_sublayers, (self.i, self.owner.num_sublayers)
+        self.check_finished()
         return self.owner.final_norm(self.h)
 
 
-class BlockAttnResidual(nn.Module):
-    """Block AttnRes in the report's layout (docs/PYTORCH.md), per sub-layer.
-
-    The embedding is block b_0. Sub-layer outputs are summed into the partial block;
-    before sub-layer i with i % block_size == 0 (i > 0) the partial block is closed
-    and appended to the completed blocks. Each sub-layer's input is an AttnRes (its
-    own pseudo-query w, zeros at init, and key-norm gamma) over the completed blocks
-    and the partial block, followed by the sub-layer's own RMSNorm; the output is a
-    final AttnRes over all blocks and the partial block, then the final RMSNorm.
-    block_size=1 is full AttnRes: every sub-layer output is its own source.
-    """
-
-    def __init__(self, dim: int, num_sublayers: int, block_size: int, eps: float = 1e-6):
-        super().__init__()
-        if block_size < 1:
-            raise SystemExit(f"--block-size must be >= 1, got {block_size}")
-        self.num_sublayers, self.block_size = num_sublayers, block_size
-        self.attn_res = nn.ModuleList(BlockAttnRes(dim, eps=eps) for _ in range(num_sublayers))
-        self.final_res = BlockAttnRes(dim, eps=eps)
-        self.norms = nn.ModuleList(nn.RMSNorm(dim, eps=eps) for _ in range(num_sublayers))
-        self.final_norm = nn.RMSNorm(dim, eps=eps)
-
-    def begin(self, embedding: Tensor) -> "_BlockStream":
-        return _BlockStream(self, embedding)
-
-
-class _BlockStream:
-    def __init__(self, owner: BlockAttnResidual, embedding: Tensor):
-        self.owner, self.i = owner, 0
+class _BlockStream(_Stream):
+    def __init__(self, owner: "BlockAttnResidual", embedding: Tensor):
+        super().__init__(owner)
         self.blocks: list[Tensor] = [embedding]
         self.partial: Optional[Tensor] = None
 
@@ -272,8 +244,61 @@ class _BlockStream:
         self.i += 1
 
     def finish(self) -> Tensor:
-        assert self.i == self.owner.num_sublayers, (self.i, self.owner.num_sublayers)
+        self.check_finished()
         return self.owner.final_norm(self.owner.final_res(self.blocks, self.partial))
+
+
+class _Residual(nn.Module):
+    """What every scheme owns: each sub-layer's input RMSNorm and the final RMSNorm.
+
+    add_norms registers them after the scheme's own parameters: the order of
+    model.parameters() fixes the order in which gradient clipping sums the norms, and
+    the names are the checkpoints' keys.
+    """
+
+    stream_class: type
+
+    def add_norms(self, dim: int, num_sublayers: int, eps: float) -> None:
+        self.num_sublayers = num_sublayers
+        self.norms = nn.ModuleList(nn.RMSNorm(dim, eps=eps) for _ in range(num_sublayers))
+        self.final_norm = nn.RMSNorm(dim, eps=eps)
+
+    def begin(self, embedding: Tensor) -> _Stream:
+        return self.stream_class(self, embedding)
+
+
+class PlainResidual(_Residual):
+    """Pre-norm residual stream: h <- h + f_i(norm_i(h)); output final_norm(h)."""
+
+    stream_class = _PlainStream
+
+    def __init__(self, dim: int, num_sublayers: int, eps: float = 1e-6):
+        super().__init__()
+        self.add_norms(dim, num_sublayers, eps)
+
+
+class BlockAttnResidual(_Residual):
+    """Block AttnRes in the report's layout (docs/PYTORCH.md), per sub-layer.
+
+    The embedding is block b_0. Sub-layer outputs are summed into the partial block;
+    before sub-layer i with i % block_size == 0 (i > 0) the partial block is closed
+    and appended to the completed blocks. Each sub-layer's input is an AttnRes (its
+    own pseudo-query w, zeros at init, and key-norm gamma) over the completed blocks
+    and the partial block, followed by the sub-layer's own RMSNorm; the output is a
+    final AttnRes over all blocks and the partial block, then the final RMSNorm.
+    block_size=1 is full AttnRes: every sub-layer output is its own source.
+    """
+
+    stream_class = _BlockStream
+
+    def __init__(self, dim: int, num_sublayers: int, block_size: int, eps: float = 1e-6):
+        super().__init__()
+        if block_size < 1:
+            raise SystemExit(f"--block-size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.attn_res = nn.ModuleList(BlockAttnRes(dim, eps=eps) for _ in range(num_sublayers))
+        self.final_res = BlockAttnRes(dim, eps=eps)
+        self.add_norms(dim, num_sublayers, eps)
 
 
 def make_residual(cfg: argparse.Namespace, num_sublayers: int) -> nn.Module:
