@@ -18,6 +18,38 @@ DATA_DIR = os.path.join(os.path.dirname(HERE), "data")
 GOLDEN_PATH = os.path.join(DATA_DIR, "block_attn_res_f64.json")
 
 
+# The tests `scripts/test.sh --quick` leaves out (pytest -m "not slow"): each spends
+# seconds in training runs, worker processes with a process group, or compiled
+# autograd, while the fast tests cover the same code paths on small problems. An
+# entry "file::function" covers every parametrization of the function; the full run
+# (scripts/test.sh, CI) runs them all.
+SLOW_TESTS = (
+    "test_train_lm_smoke.py::test_quick_run_learns",
+    "test_train_lm_smoke.py::test_resume_is_bit_identical",
+    "test_train_lm_smoke.py::test_plot_writes_png",
+    "test_stream.py::test_compiled_autograd_backward_of_an_eager_stream",
+    "test_ddp.py::test_ddp_one_step_matches_single_process",
+    "test_stream_distributed.py::test_stream_one_step_matches_single_process",
+    "test_fast_path.py::test_ddp_gradients_through_the_fast_path",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks SLOW_TESTS slow; warns about an entry that names a collected file but
+    no test in it (a renamed test would otherwise drop out of the list unseen)."""
+    files = {os.path.basename(item.path) for item in items}
+    matched = set()
+    for item in items:
+        entry = f"{os.path.basename(item.path)}::{getattr(item, 'originalname', item.name)}"
+        if entry in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+            matched.add(entry)
+    for entry in SLOW_TESTS:
+        if entry not in matched and entry.split("::")[0] in files:
+            config.issue_config_time_warning(
+                pytest.PytestWarning(f"conftest.SLOW_TESTS: {entry} matches no test"), 2)
+
+
 def make_generator(seed: int) -> torch.Generator:
     g = torch.Generator(device="cpu")
     g.manual_seed(seed)
