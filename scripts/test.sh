@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every test: set up, build, C++ tests on every CPU kernel variant, the random
-# check against the reference, the same for aarch64 under qemu (cross-built), the
-# CUDA kernels in CPU emulation against the reference (when the CUDA headers are
-# installed; no GPU needed), a smoke run of the benchmark, the Python tests, then the C++ tests again under
-# AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/) and a 60-second
+# check against the reference on every variant, a phase 1 run checked against the
+# reference, the same for aarch64 under qemu (cross-built), the CUDA kernels in CPU
+# emulation against the reference (when the CUDA headers are installed; no GPU
+# needed), a smoke run of the benchmark, the Python tests, then the C++ tests again
+# under AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/) and a 60-second
 # libFuzzer run of the C ABI (build-fuzz/). Any sanitizer report fails the run.
 # ATTNRES_BUILD_JOBS sets -j of the sanitizer and fuzz builds (default: all
 # cores); ATTNRES_FUZZ_SECONDS the length of the fuzz run (default 60).
