@@ -36,7 +36,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 import attnres
-from attnres import two_phase
+from attnres.ops import phase1
 from attnres.nn import BlockAttnResStream
 
 SHAPES = {
@@ -111,12 +111,10 @@ def bench_phase1(dim: int, num_blocks: int, num_queries: int, tokens: int, dtype
     blocks = [torch.randn(tokens, dim, generator=gen).to(dtype) for _ in range(num_blocks)]
     w = (0.05 * torch.randn(num_queries, dim, generator=gen)).to(dtype)
     gamma = torch.ones(num_queries, dim, dtype=dtype)
-    outs, lses = two_phase.phase1_forward(blocks, w, gamma, eps=1e-6, scale=1.0, rmsnorm=True)
     grads = [torch.randn(tokens, dim, generator=gen).to(dtype) for _ in range(num_queries)]
-    fwd = timed(lambda: two_phase.phase1_forward(blocks, w, gamma, eps=1e-6, scale=1.0,
-                                                 rmsnorm=True), repeat)
-    bwd = timed(lambda: two_phase.phase1_backward(grads, [None] * num_queries, blocks, w, gamma,
-                                                  eps=1e-6, scale=1.0, rmsnorm=True), repeat)
+    fwd = timed(lambda: phase1.forward(blocks, w, gamma, 1e-6, 1.0, True), repeat)
+    bwd = timed(lambda: phase1.gradients("phase1", grads, [None] * num_queries, blocks, w, gamma,
+                                         1e-6, 1.0, True), repeat)
     elem = torch.tensor([], dtype=dtype).element_size()
     n, s, d = num_blocks, num_queries, dim
     fwd_bytes = tokens * d * elem * (n + s) + tokens * s * 4

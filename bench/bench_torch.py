@@ -10,7 +10,7 @@ Timed, per shape (B = 1, T = tokens):
                vs seed_eager_backward: the seed's backward written out in fp32
                (stack, grad_alpha = einsum, softmax backward, RMSNorm backward,
                dw/dgamma sums, split grad_v into N + 1 contiguous tensors).
-  bwd (no caches)  attnres._native.backward(..., rms_cache=None, alpha_cache=None)
+  bwd (no caches)  attnres.ops.block_attn_res.gradients(...) without the caches
                (recomputes the softmax), against the same baseline.
 
 Minimal bytes (what the operator must move; elem = bytes per element):
@@ -50,7 +50,7 @@ from typing import List, Optional, Sequence
 import torch
 
 import attnres
-from attnres import _native
+from attnres.ops import block_attn_res
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 FULL_DIMS = (512, 1536, 4096)
@@ -274,8 +274,8 @@ def bench_shape(tokens, dim, num_sources, dtype_name, repeat, max_bytes, stream)
         row["bwd_GBps"] = bwd_bytes / row["bwd_ms"] / 1e6
         row["bwd_frac"] = row["bwd_GBps"] / stream["copy_GBps"] if stream else None
         row["bwd_nc_ms"] = time_ms(
-            lambda: _native.backward(grad_h, blocks, partial, w, gamma, scale=1.0, eps=1e-6,
-                                     rmsnorm=True, rms_cache=None, alpha_cache=None), repeat)
+            lambda: block_attn_res.gradients("bench", grad_h, blocks, partial, w, gamma, 1e-6,
+                                             1.0, True), repeat)
         row["bwd_nc_GBps"] = bwd_bytes / row["bwd_nc_ms"] / 1e6
         row["bwd_nc_frac"] = row["bwd_nc_GBps"] / stream["copy_GBps"] if stream else None
         if fits["eager_bwd"]:
@@ -533,7 +533,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"({stream['buffer_MiB']} MiB fp32 buffers)", file=log)
     if dtypes:
         print("x = eager ms / attnres ms; GB/s from minimal bytes; frac = GB/s / stream "
-              "(read for fwd, copy for bwd); bwd-nc = _native.backward without caches\n",
+              "(read for fwd, copy for bwd); bwd-nc = the backward without caches\n",
               file=log)
 
     rows = []

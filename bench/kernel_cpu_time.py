@@ -12,7 +12,7 @@ import time
 import torch
 
 import attnres
-from attnres import _native
+from attnres.ops import block_attn_res
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     w = (0.05 * torch.randn(dim, generator=g)).bfloat16()
     gamma = torch.ones(dim).bfloat16()
     grad = torch.randn(tokens, dim, generator=g).bfloat16()
-    kw = dict(scale=1.0, eps=1e-6, rmsnorm=True)
+    args_ = (1e-6, 1.0, True)  # eps, scale, rmsnorm
 
     def best(fn, k=5):
         fn()
@@ -39,8 +39,9 @@ def main() -> None:
             times.append(time.process_time() - t0)
         return min(times) * 1e3
 
-    fwd = best(lambda: _native.forward(src[:-1], src[-1], w, gamma, **kw))
-    bwd = best(lambda: _native.backward(grad, src[:-1], src[-1], w, gamma, **kw))
+    fwd = best(lambda: block_attn_res.forward(src[:-1], src[-1], w, gamma, *args_))
+    bwd = best(lambda: block_attn_res.gradients("bench", grad, src[:-1], src[-1], w, gamma,
+                                                *args_))
     print(f"{args.label}: forward {fwd:.1f} ms, backward {bwd:.1f} ms (CPU time, 1 thread)")
 
 

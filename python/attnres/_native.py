@@ -23,8 +23,8 @@ import torch
 
 from . import _validate
 
-_DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
-_ELEMENT_BYTES = {torch.float32: 4, torch.float64: 8, torch.bfloat16: 2, torch.float16: 2}
+DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+ELEMENT_BYTES = {torch.float32: 4, torch.float64: 8, torch.bfloat16: 2, torch.float16: 2}
 _DEVICE_CPU, _DEVICE_CUDA = 0, 1
 _ABI_VERSION = 3
 
@@ -289,10 +289,10 @@ def cuda_available() -> bool:
 
 # Large outputs on the CPU: fresh tensors of tens of MB come straight from mmap,
 # and the first write of each 4 KB page is a fault plus a clear. Backed by 2 MB
-# pages (transparent huge pages, on request) the faults are 512x fewer: the
-# Python backward at 65536 x 1536 x 17 bf16 went from 3.0 s to 1.1 s. The
-# advice covers only tensors this module allocates; ATTNRES_HUGEPAGES=0 turns it
-# off (torch's THP_MEM_ALLOC_ENABLE=1 does the same for every allocation).
+# pages (transparent huge pages, on request) the faults are 512x fewer
+# (docs/PYTORCH.md measures it). The advice covers only tensors this module
+# allocates; ATTNRES_HUGEPAGES=0 turns it off (torch's THP_MEM_ALLOC_ENABLE=1 does
+# the same for every allocation).
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _madvise = None
@@ -305,7 +305,7 @@ if os.environ.get("ATTNRES_HUGEPAGES", "1") != "0" and sys.platform.startswith("
         _madvise = None
 
 
-def _new_output(like: torch.Tensor, nbytes: int) -> torch.Tensor:
+def new_output(like: torch.Tensor, nbytes: int) -> torch.Tensor:
     """An uninitialised contiguous tensor like `like` (nbytes of it), asking for
     huge pages when it is large and on the CPU. Failure of the advice is harmless."""
     out = torch.empty_like(like, memory_format=torch.contiguous_format)
@@ -358,7 +358,7 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _row_stride(x: torch.Tensor, dim: int) -> Optional[int]:
+def row_stride(x: torch.Tensor, dim: int) -> Optional[int]:
     """The single stride between consecutive rows of x viewed as [tokens, dim], or
     None when the leading dimensions do not collapse to one (or rows overlap)."""
     if x.dim() == 0 or (x.shape[-1] > 1 and x.stride(-1) != 1):
@@ -379,14 +379,15 @@ def _row_stride(x: torch.Tensor, dim: int) -> Optional[int]:
     return stride if stride >= dim else None
 
 
-def _rows(tensors: Sequence[torch.Tensor], dim: int) -> Tuple[List[torch.Tensor], int]:
-    """The tensors with one shared row stride, copying only those that need it."""
+def rows(tensors: Sequence[torch.Tensor], dim: int) -> Tuple[List[torch.Tensor], int]:
+    """The tensors with one shared row stride (the ABI's one stride per group of row
+    tensors), copying only those that need it."""
     for t in tensors:  # a plain loop: all() over a generator costs ~1 us more
         if not t.is_contiguous():
             break
     else:
         return tensors, dim
-    strides = [_row_stride(t, dim) for t in tensors]
+    strides = [row_stride(t, dim) for t in tensors]
     if strides and all(s == strides[0] for s in strides) and strides[0] is not None:
         return list(tensors), strides[0]
     return [t if s == dim else t.contiguous() for t, s in zip(tensors, strides)], dim
@@ -403,7 +404,9 @@ def _call(function, address: int, like: torch.Tensor) -> None:
         _check(function(address))
 
 
-def _stream_and_device(function: str, x: torch.Tensor) -> Tuple[int, int]:
+def device_and_stream(function: str, x: torch.Tensor) -> Tuple[int, int]:
+    """The ABI's (device, stream) fields for tensors on x's device; torch's current
+    stream on CUDA. Errors name `function`."""
     if x.is_cpu:
         return _DEVICE_CPU, 0
     if x.is_cuda:
@@ -411,234 +414,19 @@ def _stream_and_device(function: str, x: torch.Tensor) -> Tuple[int, int]:
     raise _validate.error(function, "blocks", "on the CPU or a CUDA device", str(x.device))
 
 
-_LARGE = 2 * _HUGE_PAGE
-_empty_like = torch.empty_like
-_forward_entry = _lib.attnres_forward
-# The single op's forward on plain contiguous inputs packs its block pointers and the
-# fields it sets (abi_version .. out_row_stride) in one pack_into, into a scratch
-# buffer per number of pointers (per thread) that holds the pointers first and then
-# attnres_params, whose other fields hold their defaults from the start.
-_FORWARD_HEAD_FORMAT = "".join(_STRUCT_CODES.get(t, "P")
-                               for _, t in _Params._fields_[:FIELDS["out_row_stride"] + 1])
-if struct.calcsize("@" + _FORWARD_HEAD_FORMAT) != _Params.rms_cache.offset:
-    raise ImportError("attnres._native: the forward's head of attnres_params is misaligned")
+def ptr(t: Optional[torch.Tensor]) -> int:
+    """t's data pointer, or 0 (NULL) for None."""
+    return t.data_ptr() if t is not None else 0
 
 
-def _forward_buffer(count: int) -> Tuple[ctypes.Array, int, struct.Struct]:
-    """(buffer, its address, packer) for _forward_plain() with `count` pointers."""
-    try:
-        buffers = _scratch.forward
-    except AttributeError:
-        buffers = _scratch.forward = {}
-    buf = ctypes.create_string_buffer(_POINTER_SIZE * count + _PARAMS_SIZE)
-    base = ctypes.addressof(buf)
-    _packer(0).pack_into(buf, _POINTER_SIZE * count, *DEFAULTS)
-    entry = buffers[count] = (buf, base, struct.Struct(f"@{count}P" + _FORWARD_HEAD_FORMAT))
-    return entry
+def row_bytes(like: torch.Tensor, dim: int) -> Tuple[int, int]:
+    """(tokens, bytes) of a tensor of like's shape and dtype viewed as [tokens, dim]."""
+    tokens = like.numel() // dim if dim else 0
+    return tokens, tokens * dim * ELEMENT_BYTES[like.dtype]
 
 
-def _forward_plain(plain, has_partial: bool, proj_weight: torch.Tensor,
-                   gamma: Optional[torch.Tensor], scale: float, eps: float,
-                   rmsnorm: bool) -> torch.Tensor:
-    """h for contiguous inputs as _validate.plain_inputs() found them, with nothing
-    looked at twice; it passes the library what forward() passes."""
-    sources, pointers, _, _, shape, dtype = plain
-    first = sources[0]
-    dim = shape[-1]
-    tokens = first.numel() // dim if dim else 0
-    out = _empty_like(first)  # contiguous, as first is
-    nbytes = tokens * dim * _ELEMENT_BYTES[dtype]
-    if nbytes >= _LARGE:
-        out = _new_output(first, nbytes)
-    if tokens == 0:  # empty tensors may have null data pointers, which the ABI refuses
-        return out
-    on_cpu = first.is_cpu
-    device, stream = (_DEVICE_CPU, 0) if on_cpu else _stream_and_device("", first)
-    count = len(pointers)  # the blocks' pointers, then the partial block's
-    try:
-        buf, base, packer = _scratch.forward[count]
-    except (AttributeError, KeyError):
-        buf, base, packer = _forward_buffer(count)
-    params = base + _POINTER_SIZE * count
-    # The pointers (the partial's last: never read as a block), then the params.
-    packer.pack_into(
-        buf, 0, *pointers, _ABI_VERSION, tokens, dim, count - 1 if has_partial else count,
-        _DTYPES[dtype], device, stream, base, pointers[-1] if has_partial else 0, dim,
-        proj_weight.data_ptr(), gamma.data_ptr() if gamma is not None else 0, scale, eps,
-        1 if rmsnorm else 0, out.data_ptr(), dim)
-    if on_cpu:
-        status = _forward_entry(params)
-        if status:
-            _check(status)
-    else:
-        _call(_forward_entry, params, first)
-    return out
-
-
-def _sources(function: str, blocks, partial, proj_weight, gamma, scale: float, eps: float,
-             validated: bool):
-    """``(sources, dim, dtype)`` with sources ``[*blocks, partial]``, running the
-    validator unless the caller has (`validated`)."""
-    if not validated:
-        return _validate.inputs(function, blocks, partial, proj_weight, gamma, scale, eps)
-    sources = [*blocks, partial] if partial is not None else blocks
-    return sources, sources[0].shape[-1], sources[0].dtype
-
-
-def forward(blocks: Sequence[torch.Tensor], partial: Optional[torch.Tensor],
-            proj_weight: torch.Tensor, gamma: Optional[torch.Tensor], *, scale: float,
-            eps: float, rmsnorm: bool, want_rms: bool = False, want_alpha: bool = False,
-            function: str = "attnres._native.forward", _validated: bool = False,
-            _plain: Optional[tuple] = None):
-    """h = sum_i softmax_i(z) v_i over the sources [*blocks, partial].
-
-    Returns (h, rms, alpha): h has the shape and dtype of the sources; rms and
-    alpha are [..., L] of the accumulation dtype, or None when not requested.
-    Errors name `function`. `_validated`: the caller has run the validator itself;
-    `_plain`: what _validate.plain_inputs() returned for these inputs (then
-    validated too).
-    """
-    if _plain is not None:
-        if _plain[2] and not (want_rms or want_alpha):  # contiguous
-            return _forward_plain(_plain, partial is not None, proj_weight,
-                                  gamma if rmsnorm else None, scale, eps, rmsnorm), None, None
-        _validated = True
-    sources, dim, dtype = _sources(function, blocks, partial, proj_weight, gamma, scale, eps,
-                                   _validated)
-    if not _validated:
-        if want_rms and not rmsnorm:
-            raise _validate.error(function, "want_rms", "False when rmsnorm=False (there is "
-                                  "no rms to cache)", "True")
-    if not rmsnorm:
-        gamma = None
-    sources, stride = _rows(sources, dim)
-    first = sources[0]
-    proj_weight = proj_weight.contiguous()
-    if gamma is not None:
-        gamma = gamma.contiguous()
-    tokens = first.numel() // dim if dim else 0
-    device, stream = (_DEVICE_CPU, 0) if first.is_cpu else _stream_and_device(function, first)
-
-    out = _new_output(first, tokens * dim * _ELEMENT_BYTES[dtype])
-    if want_rms or want_alpha:
-        cache_shape = tuple(first.shape[:-1]) + (len(sources),)
-        acc = accumulation_dtype(dtype)
-        rms = torch.empty(cache_shape, dtype=acc, device=first.device) if want_rms else None
-        alpha = torch.empty(cache_shape, dtype=acc, device=first.device) if want_alpha else None
-    else:
-        rms = alpha = None
-    if tokens == 0:  # empty tensors may have null data pointers, which the ABI refuses
-        return out, rms, alpha
-
-    pointers = [s.data_ptr() for s in sources]
-    partial_pointer = pointers.pop() if partial is not None else 0
-    num_blocks = len(pointers)
-    if not pointers:
-        pointers.append(0)
-    buf, base = _buffer(len(pointers))
-    # In _Params._fields_ order, then the array of block pointers; the backward's
-    # fields are 0 (NULL), the two-phase fields at their defaults.
-    _packer(len(pointers)).pack_into(
-        buf, 0, _ABI_VERSION, tokens, dim, num_blocks, _DTYPES[dtype], device, stream,
-        base + _PARAMS_SIZE, partial_pointer, stride, proj_weight.data_ptr(),
-        gamma.data_ptr() if gamma is not None else 0, scale, eps, 1 if rmsnorm else 0,
-        out.data_ptr(), dim, rms.data_ptr() if rms is not None else 0,
-        alpha.data_ptr() if alpha is not None else 0, 0, 0, 0, 0, 0, 0, 0,
-        *_TWO_PHASE_DEFAULTS, *pointers)
-    _call(_lib.attnres_forward, base, first)
-    return out, rms, alpha
-
-
-def backward(grad_out: torch.Tensor, blocks: Sequence[torch.Tensor],
-             partial: Optional[torch.Tensor], proj_weight: torch.Tensor,
-             gamma: Optional[torch.Tensor], *, scale: float, eps: float, rmsnorm: bool,
-             rms_cache: Optional[torch.Tensor] = None, alpha_cache: Optional[torch.Tensor] = None,
-             need_block_grads: Optional[Sequence[bool]] = None, need_partial_grad: bool = True,
-             need_proj_weight_grad: bool = True, need_gamma_grad: bool = True,
-             function: str = "attnres._native.backward", _validated: bool = False,
-             _contiguous: bool = False):
-    """Gradients of h = forward(...) given grad_out = dLoss/dh.
-
-    The caches are optional: without them the softmax is recomputed in the same
-    pass that reads the sources anyway, so no extra memory traffic. Returns
-    (grad_blocks: list of N (tensor or None), grad_partial, grad_proj_weight,
-    grad_gamma); grad_gamma is None when rmsnorm is off. Errors name `function`.
-    `_validated`: the caller has run the validator itself (grad_out of the sources'
-    shape, dtype and device); `_contiguous`: it has also seen every source, w and
-    gamma contiguous.
-    """
-    rms_cache = rms_cache if rmsnorm else None
-    sources, dim, dtype = _sources(function, blocks, partial, proj_weight, gamma, scale, eps,
-                                   _validated)
-    if not _validated:
-        _validate.grad_out(function, "grad_out", grad_out, sources[0])
-        cache_shape = tuple(sources[0].shape[:-1]) + (len(sources),)
-        for name, cache in (("rms_cache", rms_cache), ("alpha_cache", alpha_cache)):
-            if cache is not None:
-                _validate.cache(function, name, cache, cache_shape)
-        if need_block_grads is not None and len(need_block_grads) != len(blocks):
-            raise _validate.error(function, "need_block_grads", f"one flag per block "
-                                  f"({len(blocks)})", f"{len(need_block_grads)} flags")
-    if not rmsnorm:
-        gamma = None
-    num_blocks = len(blocks)
-    if not _contiguous:
-        sources, stride = _rows(sources, dim)
-        proj_weight = proj_weight.contiguous()
-        if gamma is not None:
-            gamma = gamma.contiguous()
-    else:
-        stride = dim
-    first = sources[0]
-    tokens = first.numel() // dim if dim else 0
-    device, stream = (_DEVICE_CPU, 0) if first.is_cpu else _stream_and_device(function, first)
-    on_cpu = device == _DEVICE_CPU
-    if not grad_out.is_contiguous():
-        (grad_out,), grad_stride = _rows([grad_out], dim)
-    else:
-        grad_stride = dim
-    if rms_cache is not None or alpha_cache is not None:
-        acc = accumulation_dtype(dtype)
-        caches = []
-        for cache in (rms_cache, alpha_cache):
-            if cache is not None and not (cache.dtype is acc and cache.is_contiguous() and (
-                    cache.is_cpu if on_cpu else cache.device == first.device)):
-                cache = cache.to(device=first.device, dtype=acc).contiguous()
-            caches.append(cache)
-        rms_cache, alpha_cache = caches
-
-    if need_block_grads is None:
-        need_block_grads = [True] * num_blocks
-    nbytes = tokens * dim * _ELEMENT_BYTES[dtype]
-    grad_blocks = [_new_output(first, nbytes) if need else None for need in need_block_grads]
-    grad_partial = (_new_output(first, nbytes)
-                    if partial is not None and need_partial_grad else None)
-    grad_w = proj_weight.new_empty(dim) if need_proj_weight_grad else None
-    grad_gamma = proj_weight.new_empty(dim) if rmsnorm and need_gamma_grad else None
-
-    if tokens == 0:  # the sums over no tokens are zero
-        for g in (grad_w, grad_gamma):
-            if g is not None:
-                g.zero_()
-        return grad_blocks, grad_partial, grad_w, grad_gamma
-
-    def ptr(t: Optional[torch.Tensor]) -> int:
-        return t.data_ptr() if t is not None else 0
-
-    pointers = [s.data_ptr() for s in sources]
-    partial_pointer = pointers.pop() if partial is not None else 0
-    pointers += [g.data_ptr() if g is not None else 0 for g in grad_blocks]
-    if not pointers:
-        pointers.append(0)
-    buf, base = _buffer(len(pointers))
-    # In _Params._fields_ order, then the arrays of block and gradient pointers; the
-    # forward's outputs are 0 (NULL), the two-phase fields at their defaults.
-    _packer(len(pointers)).pack_into(
-        buf, 0, _ABI_VERSION, tokens, dim, num_blocks, _DTYPES[dtype], device, stream,
-        base + _PARAMS_SIZE, partial_pointer, stride, proj_weight.data_ptr(), ptr(gamma),
-        scale, eps, 1 if rmsnorm else 0, 0, 0, ptr(rms_cache), ptr(alpha_cache),
-        grad_out.data_ptr(), grad_stride,
-        base + _PARAMS_SIZE + _POINTER_SIZE * num_blocks if num_blocks else 0,
-        ptr(grad_partial), dim, ptr(grad_w), ptr(grad_gamma), *_TWO_PHASE_DEFAULTS, *pointers)
-    _call(_lib.attnres_backward, base, first)
-    return grad_blocks, grad_partial, grad_w, grad_gamma
+def zero_sums(tensors) -> None:
+    """Zeroes the given gradients (None skipped): sums over no tokens."""
+    for t in tensors:
+        if t is not None:
+            t.zero_()

@@ -164,6 +164,17 @@ _ACCUMULATION = {torch.bfloat16: torch.float32, torch.float16: torch.float32,
 
 
 _any_requires_grad = torch._C._any_requires_grad
+
+
+class Layout(NamedTuple):
+    """What a fast check (plain_inputs, plain_phase1, plain_phase2) found: the inputs
+    are plain and valid, and so may take the eager fast path (attnres._op)."""
+
+    pointers: Optional[list]  # the row inputs' data_ptr()s (None for phase 2)
+    contiguous: bool          # every tensor input is contiguous
+    requires_grad: bool       # some input requires grad (False outside grad mode)
+    shape: torch.Size         # the row inputs' shape
+    dtype: torch.dtype
 _isfinite = math.isfinite
 
 
@@ -233,12 +244,9 @@ def plain_inputs(blocks: object, partial: object, w: object, gamma: object, scal
     plain, [D], alike; scale finite, eps finite and >= 0. `grad`: whether grad mode
     is on (requires_grad is only looked at then).
 
-    Returns ``(sources, pointers, contiguous, requires_grad, shape, dtype)``: the
-    sources ``[*blocks, partial]``, their data_ptr()s, whether every source, w and
-    gamma is contiguous, whether any input requires grad (False without `grad`), the
-    sources' shape and dtype -- a plain tuple, cheaper to build than a NamedTuple.
-    Returns None for anything else -- the caller then runs inputs(), which names what
-    is wrong, or takes the custom ops for what is right but unusual."""
+    Returns a Layout (the pointers of ``[*blocks, partial]``), or None for anything
+    else -- the caller then runs inputs(), which names what is wrong, or takes the
+    custom ops for what is right but unusual."""
     if blocks.__class__ not in _LISTS:
         return None
     sources = [*blocks, partial] if partial is not None else blocks
@@ -253,15 +261,15 @@ def plain_inputs(blocks: object, partial: object, w: object, gamma: object, scal
     if contiguous is None:
         return None
     requires_grad = grad and _any_requires_grad(*sources, w, gamma)
-    return sources, pointers, contiguous, requires_grad, shape, dtype
+    return Layout(pointers, contiguous, requires_grad, shape, dtype)
 
 
 def plain_phase1(blocks: object, w: object, gamma: object, eps: float, scale: float,
                  grad: bool) -> Optional[tuple]:
     """plain_inputs() for phase 1: blocks a non-empty list or tuple of plain tensors of
     one supported dtype, shape and device, strided; w [S, D] and gamma (or None) of
-    w's shape, alike. Returns ``(blocks, pointers, contiguous, requires_grad, shape,
-    dtype, S)`` or None (then phase1() names what is wrong)."""
+    w's shape, alike. Returns a Layout (the blocks' pointers) or None (then phase1()
+    names what is wrong)."""
     if blocks.__class__ not in _LISTS or not blocks or not (
             _isfinite(scale) and _isfinite(eps) and eps >= 0):
         return None
@@ -276,9 +284,8 @@ def plain_phase1(blocks: object, w: object, gamma: object, eps: float, scale: fl
                              (w, gamma) if gamma is not None else (w,))
     if contiguous is None:
         return None
-    blocks = list(blocks)
     requires_grad = grad and _any_requires_grad(*blocks, w, gamma)
-    return blocks, pointers, contiguous, requires_grad, shape, dtype, queries[0]
+    return Layout(pointers, contiguous, requires_grad, shape, dtype)
 
 
 def plain_phase2(out: object, lse: object, partial: object, w: object, gamma: object,
@@ -288,8 +295,8 @@ def plain_phase2(out: object, lse: object, partial: object, w: object, gamma: ob
     dtype on the CPU or a CUDA device; lse [...] in the accumulation dtype; partial (or
     None) like out; update (or None; only with partial) like out; w, gamma, norm_weight
     (or None) [D]; all plain, strided, on out's device; the scalars finite, eps and
-    norm_eps >= 0. Returns ``(contiguous, requires_grad)`` or None (then phase2() names
-    what is wrong)."""
+    norm_eps >= 0. Returns a Layout (no pointers) or None (then phase2() names what is
+    wrong)."""
     if not (_isfinite(scale) and _isfinite(eps) and eps >= 0 and _isfinite(norm_eps)
             and norm_eps >= 0):
         return None
@@ -317,7 +324,7 @@ def plain_phase2(out: object, lse: object, partial: object, w: object, gamma: ob
         return None
     requires_grad = grad and _any_requires_grad(out, lse, partial, w, gamma, norm_weight,
                                                 update)
-    return contiguous, requires_grad
+    return Layout(None, contiguous, requires_grad, shape, dtype)
 
 
 def grad_out(function: str, name: str, t: object, first: torch.Tensor) -> None:

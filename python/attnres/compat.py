@@ -15,7 +15,8 @@ from typing import List, Optional
 
 import torch
 
-from . import _native, _validate
+from . import _validate
+from .ops import block_attn_res as _op
 
 _FORWARD = "block_attn_res"
 _SEED_MAX_BLOCKS = _validate.SEED_MAX_BLOCKS
@@ -54,18 +55,16 @@ def block_attn_res(
         # The common call, without caches: the native checks in one pass
         # (plain_inputs); the seed's own rules add only N and the rank here. Anything
         # else takes the full validator below, which names what is wrong.
-        plain = _plain_inputs(blocks, partial_block, proj_weight, rmsnorm_gamma, scale,
-                              rmsnorm_eps, False)
-        if plain is not None and 0 < len(blocks) <= _SEED_MAX_BLOCKS and len(plain[4]) == 3:
-            return _native.forward(blocks, partial_block, proj_weight, rmsnorm_gamma,
-                                   scale=scale, eps=rmsnorm_eps, rmsnorm=enable_rmsnorm,
-                                   function=_FORWARD, _plain=plain)[0]
+        layout = _plain_inputs(blocks, partial_block, proj_weight, rmsnorm_gamma, scale,
+                               rmsnorm_eps, False)
+        if layout is not None and 0 < len(blocks) <= _SEED_MAX_BLOCKS and len(layout.shape) == 3:
+            return _op.forward(blocks, partial_block, proj_weight, rmsnorm_gamma, rmsnorm_eps,
+                               scale, enable_rmsnorm, layout=layout)
     _validate.seed_forward(blocks, proj_weight, partial_block, scale, rmsnorm_eps,
                            rmsnorm_gamma, enable_rmsnorm, rms_out_flag)
-    out, rms, alpha = _native.forward(
-        blocks, partial_block, proj_weight, rmsnorm_gamma, scale=scale, eps=rmsnorm_eps,
-        rmsnorm=enable_rmsnorm, want_rms=rms_out_flag, want_alpha=alpha_out_flag,
-        _validated=True)
+    out, rms, alpha = _op.forward_with_caches(blocks, partial_block, proj_weight, rmsnorm_gamma,
+                                              rmsnorm_eps, scale, enable_rmsnorm, rms_out_flag,
+                                              alpha_out_flag)
     if not (rms_out_flag or alpha_out_flag):
         return out
     results = [out]
@@ -103,11 +102,11 @@ def block_attn_res_backward(
     """
     _validate.seed_backward(grad_h, blocks, proj_weight, alpha_cache, partial_block,
                             rmsnorm_gamma, rms_cache, scale, enable_rmsnorm)
-    grad_blocks, grad_partial, grad_w, grad_gamma = _native.backward(
-        grad_h, blocks, partial_block, proj_weight, rmsnorm_gamma if enable_rmsnorm else None,
-        scale=scale, eps=0.0, rmsnorm=enable_rmsnorm,
-        rms_cache=rms_cache if enable_rmsnorm else None, alpha_cache=alpha_cache,
-        _validated=True)
+    # The seed's backward takes no eps: the caches hold what it would change.
+    grad_blocks, grad_partial, grad_w, grad_gamma = _op.gradients(
+        "block_attn_res_backward", grad_h, blocks, partial_block, proj_weight,
+        rmsnorm_gamma if enable_rmsnorm else None, 0.0, scale, enable_rmsnorm,
+        rms_cache=rms_cache if enable_rmsnorm else None, alpha_cache=alpha_cache)
     if enable_rmsnorm:
         return grad_blocks, grad_partial, grad_w, grad_gamma
     return grad_blocks, grad_partial, grad_w

@@ -13,6 +13,8 @@ from .stream import BlockAttnResStream
 
 __all__ = ["BlockAttnRes", "BlockAttnResStream"]
 
+_NAME = "BlockAttnRes"  # what errors call the module
+
 
 class BlockAttnRes(nn.Module):
     """Softmax mix over depth of the completed blocks and the partial block.
@@ -37,7 +39,7 @@ class BlockAttnRes(nn.Module):
                  gamma: bool = True, dtype: Optional[torch.dtype] = None, device=None) -> None:
         super().__init__()
         if dim < 1:
-            raise _validate.error("BlockAttnRes", "dim", ">= 1", str(dim))
+            raise _validate.error(_NAME, "dim", ">= 1", str(dim))
         factory = {"dtype": dtype, "device": device}
         self.dim = dim
         self.eps = eps
@@ -60,20 +62,14 @@ class BlockAttnRes(nn.Module):
         if first.__class__ is Tensor and first.dtype in _validate.SUPPORTED_DTYPES:
             dtype = first.dtype  # the common case, without the validator's calls
         else:
-            first = None
-            dtype = _validate.first_source("BlockAttnRes", blocks, partial)[0].dtype
+            dtype = _validate.first_source(_NAME, blocks, partial)[0].dtype
         w, gamma = self.w, self.gamma
         if w.dtype is not dtype:  # .to() would return the parameter itself otherwise
             w = w.to(dtype)
         if gamma is not None and gamma.dtype is not dtype:
             gamma = gamma.to(dtype)
-        try:
-            return block_attn_res_fn(blocks, partial, w, gamma,
-                                     eps=self.eps, scale=self.scale, rmsnorm=self.rmsnorm)
-        except ValueError:
-            if first is not None:  # the first source not checked above: named as before
-                _validate.first_source("BlockAttnRes", blocks, partial)
-            raise
+        return block_attn_res_fn(blocks, partial, w, gamma, eps=self.eps, scale=self.scale,
+                                 rmsnorm=self.rmsnorm, function=_NAME)
 
     def extra_repr(self) -> str:
         gamma = ", gamma=False" if self.rmsnorm and self.gamma is None else ""

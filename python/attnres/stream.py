@@ -47,8 +47,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _validate
-from .functional import block_attn_res_fn
-from .two_phase import BlockGradSums, phase1_in_stream, phase2_in_stream
+from .ops.block_attn_res import block_attn_res_fn
+from .ops.phase1 import BlockGradSums, phase1_in_stream
+from .ops.phase2 import phase2_in_stream
 
 __all__ = ["BlockAttnResStream"]
 
@@ -136,7 +137,7 @@ class Stream:
         self._finished = False
         self._phase1: Optional[tuple] = None  # (first query, outs, lses) of this block
         # The blocks' gradients, summed across phase 1 calls in their kernels, and the
-        # token that orders those calls' backward (two_phase.BlockGradSums).
+        # token that orders those calls' backward (ops.phase1.BlockGradSums).
         self._grad_sums = BlockGradSums()
         self._phase1_token: Optional[Tensor] = None
         # The parameters in the stream's dtype (differentiably) and split into rows, made

@@ -118,19 +118,18 @@ def test_mixed_requires_grad(monkeypatch):
     blocks[3].requires_grad_(False)
     g.requires_grad_(False)
     calls = []
-    native_backward = ops._native.backward
+    native_backward = ops.block_attn_res.OP.backward
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return native_backward(*args, **kwargs)
+    def spy(grads, saved, attrs, needs):
+        calls.append(needs)
+        return native_backward(grads, saved, attrs, needs)
 
-    monkeypatch.setattr(ops._native, "backward", spy)
+    monkeypatch.setattr(ops.block_attn_res.OP, "backward", spy)
     block_attn_res_fn(blocks, p, w, g).square().sum().backward()
 
     assert len(calls) == 1
-    assert list(calls[0]["need_block_grads"]) == [True, False, True, False]
-    assert calls[0]["need_partial_grad"] and calls[0]["need_proj_weight_grad"]
-    assert not calls[0]["need_gamma_grad"]
+    # One flag per block, then the partial block, w and gamma.
+    assert list(calls[0]) == [True, False, True, False, True, True, False]
     assert blocks[0].grad is not None and blocks[2].grad is not None
     assert blocks[1].grad is None and blocks[3].grad is None and g.grad is None
 

@@ -48,15 +48,17 @@ def test_opcheck_forward_mixed_requires_grad():
 
 
 @pytest.mark.parametrize("need", [
-    ([True, True, True], True, True, True),
-    ([False, True, False], False, True, False),
-    ([False, False, False], True, False, True),
+    [True, True, True, True, True, True],
+    [False, True, False, False, True, False],
+    [False, False, False, True, False, True],
 ])
 def test_opcheck_backward(need):
+    """The backward op (grads, saved, attrs, needs): one flag per saved tensor, here the
+    three blocks, the partial block, w and gamma."""
     blocks, p, w, g = sample(requires_grad=False)
     grad_out = torch.randn_like(blocks[0])
     torch.library.opcheck(torch.ops.attnres.block_attn_res_backward.default,
-                          (grad_out, blocks, p, w, g, 1e-6, 0.5, True, *need))
+                          ([grad_out], [*blocks, p, w, g], 1e-6, 0.5, True, need))
 
 
 def _eager_and_compiled(fn, inputs, backend):

@@ -1,6 +1,6 @@
-"""The eager fast path of the PyTorch front ends (attnres.ops.BlockAttnResFunction,
-attnres.two_phase.Phase1Function / Phase2Function, the direct native call without
-autograd) against the torch.library custom ops they bypass.
+"""The eager fast path of the PyTorch front ends (each op's autograd.Function, made by
+attnres._op.OpDef, and the direct native call without autograd) against the
+torch.library custom ops they bypass.
 
 The two paths run the same native calls, so they must agree bit for bit: outputs and
 every gradient, for every dtype, with and without the partial block and gamma, for the
@@ -108,7 +108,7 @@ def test_single_op_paths_agree_bitwise(dtype, case):
         h_fast = block_attn_res_fn(fast[:3], fast[3], fast[4], fast[5], **kw)
         h_fast.backward(grad_h)
     assert ran == {}, "the fast path ran a custom op"
-    assert isinstance(h_fast.grad_fn, attnres.ops.BlockAttnResFunction._backward_cls)
+    assert isinstance(h_fast.grad_fn, attnres.ops.block_attn_res.OP.function._backward_cls)
 
     slow = leaves([*blocks, p, w, g])
     with counting() as ran:

@@ -13,7 +13,6 @@ import torch
 import attnres
 import attnres.compat
 import attnres.functional
-from attnres import _native
 from attnres.nn import BlockAttnRes
 
 B, T, D = 2, 3, 8
@@ -55,10 +54,6 @@ def _front_ends_taking_blocks():
         "block_attn_res": lambda b: attnres.block_attn_res(b, w, rmsnorm_gamma=gamma),
         "block_attn_res_backward": lambda b: attnres.block_attn_res_backward(
             h, b, w, alpha[..., :1], rmsnorm_gamma=gamma, rms_cache=rms[..., :1, :]),
-        "attnres._native.forward": lambda b: _native.forward(
-            b, None, w, gamma, scale=1.0, eps=1e-6, rmsnorm=True),
-        "attnres._native.backward": lambda b: _native.backward(
-            h, b, None, w, gamma, scale=1.0, eps=1e-6, rmsnorm=True),
     }
 
 
@@ -107,18 +102,13 @@ def _bad_calls():
         ("attnres::block_attn_res", "blocks[1]",
          lambda: torch.ops.attnres.block_attn_res([blocks[0], half], None, w, None, 1e-6, 1.0,
                                                   True)),
-        ("attnres::block_attn_res_backward", "need_block_grads",
-         lambda: torch.ops.attnres.block_attn_res_backward(h, blocks, None, w, gamma, 1e-6, 1.0,
-                                                           True, [True], False, True, True)),
-        ("attnres._native.forward", "want_rms",
-         lambda: _native.forward(blocks, None, w, None, scale=1.0, eps=1e-6, rmsnorm=False,
-                                 want_rms=True)),
-        ("attnres._native.backward", "grad_out",
-         lambda: _native.backward(h[:1], blocks, None, w, gamma, scale=1.0, eps=1e-6,
-                                  rmsnorm=True)),
-        ("attnres._native.backward", "alpha_cache",
-         lambda: _native.backward(h, blocks, None, w, gamma, scale=1.0, eps=1e-6, rmsnorm=True,
-                                  alpha_cache=alpha[..., :2])),
+        ("attnres::block_attn_res (backward)", "grad_out",
+         lambda: torch.ops.attnres.block_attn_res_backward(
+             [h[:1]], [*blocks, None, w, gamma], 1e-6, 1.0, True, [True] * 6)),
+        ("gradients", "alpha_cache",
+         lambda: attnres.ops.block_attn_res.gradients(
+             "gradients", h, blocks, None, w, gamma, 1e-6, 1.0, True,
+             alpha_cache=alpha[..., :2])),
         ("block_attn_res", "partial_block",
          lambda: attnres.block_attn_res(blocks, w, half, rmsnorm_gamma=gamma)),
         ("block_attn_res", "rmsnorm_eps",
@@ -153,7 +143,9 @@ def test_scalars_that_are_not_numbers_are_refused_before_the_library(bad):
         lambda: attnres.block_attn_res_fn(blocks, partial, w, gamma, eps=bad),
         lambda: attnres.block_attn_res(blocks, w, partial, rmsnorm_gamma=gamma, scale=bad),
         lambda: attnres.block_attn_res(blocks, w, partial, rmsnorm_gamma=gamma, rmsnorm_eps=bad),
-        lambda: _native.forward(blocks, partial, w, gamma, scale=1.0, eps=bad, rmsnorm=True),
+        lambda: attnres.block_attn_res_phase1(blocks, w[None], gamma[None], eps=bad),
+        lambda: attnres.block_attn_res_phase2(blocks[0], blocks[0][..., 0], partial, w, gamma,
+                                              norm_eps=bad),
     ]
     for call in calls:
         with pytest.raises((ValueError, TypeError)):
@@ -175,16 +167,3 @@ def test_cpu_isas_lists_what_set_cpu_isa_accepts_best_first():
     assert attnres.cpu_isa() == automatic
     if "ATTNRES_CPU_ISA" not in os.environ:
         assert automatic == isas[0]
-
-
-def test_native_backward_with_contiguous_inputs_flag_gives_the_same_gradients():
-    """_native.backward(..., _contiguous=True): the caller vouches that every source, w
-    and gamma is contiguous, and the call skips its own row checks (it once read the
-    first source from a name only the other branch set)."""
-    blocks, partial, w, gamma = inputs()
-    grad = torch.randn_like(blocks[0])
-    kw = dict(scale=0.9, eps=1e-6, rmsnorm=True)
-    plain = _native.backward(grad, blocks, partial, w, gamma, **kw)
-    vouched = _native.backward(grad, blocks, partial, w, gamma, **kw, _contiguous=True)
-    for a, b in zip(plain[0] + list(plain[1:]), vouched[0] + list(vouched[1:])):
-        assert (a is None and b is None) or torch.equal(a, b)

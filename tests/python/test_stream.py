@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import attnres.stream as stream_module
 from attnres.nn import BlockAttnResStream
-from attnres import two_phase
+from attnres.ops import phase1
 from attnres.two_phase import block_attn_res_phase1
 from attnres.ops import custom_op_calls
 from model_reference import reference_block_attn_res
@@ -347,7 +347,7 @@ def test_fused_stream_equals_the_unfused_stream(config, dtype, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------
-# Block gradients summed inside phase 1's backward (two_phase.BlockGradSums): each
+# Block gradients summed inside phase 1's backward (attnres.ops.phase1.BlockGradSums): each
 # phase 1 call's kernel adds its share of a block's gradient into one running sum,
 # and the block's first reader hands the sum to autograd.
 # ---------------------------------------------------------------------------------
@@ -395,10 +395,12 @@ def test_each_block_gradient_is_handed_to_autograd_once(sizes, monkeypatch):
     gy = torch.randn(2, 3, D, generator=g, dtype=F64)
     layers = make_sublayers(num)
     handed = []
-    for cls in (two_phase.Phase1InStream, two_phase.Phase1Function):
-        def counting(ctx, *grads, real=cls.backward):
+    # Where the block gradients start in what each Function's backward returns.
+    for cls, first in ((phase1.Phase1InStream, 4), (phase1.OP.function, 2)):
+        def counting(ctx, *grads, real=cls.backward, first=first):
+            num_blocks = len(ctx.saved_tensors) - 2  # the blocks, then w and gamma
             result = real(ctx, *grads)
-            handed.append(sum(1 for x in result[1:1 + ctx.meta[0]] if x is not None))
+            handed.append(sum(1 for x in result[first:first + num_blocks] if x is not None))
             return result
         monkeypatch.setattr(cls, "backward", staticmethod(counting))
     results = []

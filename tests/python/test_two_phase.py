@@ -464,8 +464,10 @@ def test_opcheck_phase1_backward(need):
     g = torch.Generator().manual_seed(4)
     grad_outs = [randn(g, 2, 3, 8, dtype=torch.float32), None]
     grad_lses = [None, randn(g, 2, 3, dtype=torch.float32)]
+    need_blocks, need_w, need_gamma = need  # the backward op: one flag per saved tensor
     torch.library.opcheck(torch.ops.attnres.phase1_backward.default,
-                          (grad_outs, grad_lses, blocks, w, gm, 1e-6, 0.5, True, *need))
+                          (grad_outs + grad_lses, [*blocks, w, gm], 1e-6, 0.5, True,
+                           [*need_blocks, need_w, need_gamma]))
 
 
 def _opcheck_phase2_args(requires_grad, partial=True, norm_weight=True):
@@ -491,8 +493,8 @@ def test_opcheck_phase2_backward(need, partial, rmsnorm, input_norm):
     out, lse, p, w, gm, nw = _opcheck_phase2_args(False, partial, input_norm)
     grad = torch.randn(2, 3, 8)
     torch.library.opcheck(torch.ops.attnres.phase2_backward.default,
-                          (grad, out, lse, p, w, gm if rmsnorm else None, nw, 1e-6, 0.5, rmsnorm,
-                           input_norm, 1e-5, need))
+                          ([grad], [out, lse, p, w, gm if rmsnorm else None, nw], 1e-6, 0.5,
+                           rmsnorm, input_norm, 1e-5, need))
 
 
 def test_compiled_fullgraph_matches_eager():
@@ -728,23 +730,22 @@ def test_phase1_backward_bad_gradients():
     go = torch.zeros(2, 3, 8)
     gl = torch.zeros(2, 3)
     op = torch.ops.attnres.phase1_backward
-    common = (blocks, w, gamma, 1e-6, 1.0, True, [True, True], True, True)
-    with pytest.raises(ValueError, match="grad_outs"):
-        op([go], [gl, gl], *common)
-    with pytest.raises(ValueError, match="grad_lses"):
-        op([go, go], [gl], *common)
+    common = ([*blocks, w, gamma], 1e-6, 1.0, True, [True] * (len(blocks) + 2))
+    with pytest.raises(ValueError, match=r"grads must be 2S = 4 gradients"):
+        op([go, gl, gl], *common)
     with pytest.raises(ValueError, match=r"grad_lses\[1\]"):
-        op([go, go], [gl, torch.zeros(2, 4)], *common)
+        op([go, go, gl, torch.zeros(2, 4)], *common)
     with pytest.raises(ValueError, match=r"grad_outs\[0\]"):
-        op([torch.zeros(2, 3, 7), go], [gl, gl], *common)
+        op([torch.zeros(2, 3, 7), go, gl, gl], *common)
 
 
 def test_phase2_backward_bad_gradient():
     args = _valid2()
     with pytest.raises(ValueError, match=r"\bgrad\b"):
-        torch.ops.attnres.phase2_backward(torch.zeros(2, 3, 7), args["out"], args["lse"],
-                                          args["partial"], args["w"], args["gamma"], None, 1e-6,
-                                          1.0, True, False, 1e-6, [True] * 6)
+        torch.ops.attnres.phase2_backward(
+            [torch.zeros(2, 3, 7)], [args["out"], args["lse"], args["partial"], args["w"],
+                                     args["gamma"], None], 1e-6, 1.0, True, False, 1e-6,
+            [True] * 6)
 
 
 # ---------------------------------------------------------------------------------
@@ -1053,9 +1054,9 @@ def test_opcheck_phase2_backward_with_grad_partial_in(need):
     out, lse, p, w, gm, nw = _opcheck_phase2_args(False, True, True)
     g = torch.Generator().manual_seed(7)
     grad, grad_in = torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g)
-    torch.library.opcheck(torch.ops.attnres.phase2_backward.default,
-                          (grad, out, lse, p, w, gm, nw, 1e-6, 0.5, True, True, 1e-5, need,
-                           grad_in))
+    torch.library.opcheck(torch.ops.attnres.phase2_update_backward.default,
+                          ([grad, grad_in], [out, lse, p, w, gm, nw], 1e-6, 0.5, True, True,
+                           1e-5, need))
 
 
 def test_update_compiled_fullgraph_matches_eager():
@@ -1125,12 +1126,14 @@ def test_phase2_update_op_refuses_bad_update():
 def test_phase2_backward_bad_grad_partial_in():
     args = _valid2()
     common = (args["out"], args["lse"])
-    rest = (args["w"], args["gamma"], None, 1e-6, 1.0, True, False, 1e-6, [True] * 6)
-    op = torch.ops.attnres.phase2_backward
+    rest = (args["w"], args["gamma"], None)
+    attrs = (1e-6, 1.0, True, False, 1e-6, [True] * 6)
+    op = torch.ops.attnres.phase2_update_backward
+    grads = [torch.zeros(2, 3, 8), torch.zeros(2, 3, 7)]
     with pytest.raises(ValueError, match=_names("grad_partial_in")):
-        op(torch.zeros(2, 3, 8), *common, args["partial"], *rest, torch.zeros(2, 3, 7))
+        op(grads, [*common, args["partial"], *rest], *attrs)
     with pytest.raises(ValueError, match=_names("grad_partial_in")):
-        op(torch.zeros(2, 3, 8), *common, None, *rest, torch.zeros(2, 3, 8))
+        op([grads[0], grads[0]], [*common, None, *rest], *attrs)
 
 
 def test_update_takes_the_fast_path_and_matches_the_op_bitwise():
@@ -1151,6 +1154,6 @@ def test_update_takes_the_fast_path_and_matches_the_op_bitwise():
         results.append(([h, p_new] + [x.grad for x in xs], ran))
     (fast, fast_ran), (slow, slow_ran) = results
     assert fast_ran == {}
-    assert slow_ran == {"attnres::phase2_update": 1, "attnres::phase2_backward": 1}
+    assert slow_ran == {"attnres::phase2_update": 1, "attnres::phase2_update_backward": 1}
     for i, (a, b) in enumerate(zip(fast, slow)):
         assert same_bits(a, b), f"result {i}"
