@@ -365,7 +365,7 @@ attnres_status CpuForward(const attnres_params& p) {
   const int64_t num_tiles = (p.num_tokens + tile - 1) / tile;
   const int threads = cpu::ThreadsFor(num_tiles);
   if (attnres_status s = call.AllocateScratch(threads, 0); s != ATTNRES_OK) return s;
-  const cpu::RangeFn forward = call.table().forward[p.dtype];
+  const cpu::RangeFn forward = call.table().block_attn_res->forward[p.dtype];
   cpu::ParallelFor(threads, num_tiles, [&](int thread, int64_t tile_index) {
     const int64_t begin = tile_index * tile;
     forward(call.info(), call.ThreadScratch(thread), begin, std::min(begin + tile, p.num_tokens));
@@ -382,7 +382,7 @@ attnres_status CpuBackward(const attnres_params& p) {
   const bool weight_grads = p.grad_proj_weight != nullptr || p.grad_gamma != nullptr;
   const int64_t u_rows = weight_grads ? num_chunks : 0;
   if (attnres_status s = call.AllocateScratch(threads, u_rows); s != ATTNRES_OK) return s;
-  const cpu::RangeFn backward = call.table().backward[p.dtype];
+  const cpu::RangeFn backward = call.table().block_attn_res->backward[p.dtype];
   cpu::ParallelFor(threads, num_chunks, [&](int thread, int64_t chunk) {
     cpu::Scratch scratch = call.ThreadScratch(thread);
     scratch.u = weight_grads ? call.ChunkU(chunk) : nullptr;

@@ -461,36 +461,11 @@ void BackwardRange(const CallInfo& info, const Scratch& s, int64_t begin, int64_
   }
 }
 
-// The shared rows (kernel_table.h), typed.
-template <typename T>
-void WeightRow(const void* w, const void* gamma, int64_t dim, int64_t padded, void* row) {
-  Row<T>::WeightRow(static_cast<const T*>(w), static_cast<const T*>(gamma), dim, padded,
-                    static_cast<typename Row<T>::A*>(row));
-}
-
-template <typename T>
-void WeightGrad(const void* u, int64_t rows, int64_t row_stride, const void* factor, void* out,
-                int64_t dim) {
-  Row<T>::WeightGrad(static_cast<const typename Row<T>::A*>(u), rows, row_stride,
-                     static_cast<const T*>(factor), static_cast<T*>(out), dim);
-}
-
-#define ATTNRES_STRINGIFY_(x) #x
-#define ATTNRES_STRINGIFY(x) ATTNRES_STRINGIFY_(x)
-
-// Indexed by attnres_dtype: FLOAT32, FLOAT64, BFLOAT16, FLOAT16.
-const KernelTable kTable = {
-    ATTNRES_STRINGIFY(ATTNRES_ISA),
-    kVectorBytes,
-    {WeightRow<float>, WeightRow<double>, WeightRow<Bf16>, WeightRow<F16>},
-    {WeightGrad<float>, WeightGrad<double>, WeightGrad<Bf16>, WeightGrad<F16>},
-    {ForwardTile<float>, ForwardTile<double>, ForwardTile<Bf16>, ForwardTile<F16>},
-    {BackwardRange<float>, BackwardRange<double>, BackwardRange<Bf16>, BackwardRange<F16>},
-    &ATTNRES_ISA::kTwoPhaseKernels,
-};
-
 }  // namespace
 
-const KernelTable* ATTNRES_ISA::Kernels() { return &kTable; }
+namespace ATTNRES_ISA {
+extern const BlockAttnResKernels kBlockAttnResKernels = {ATTNRES_BY_DTYPE(ForwardTile),
+                                                         ATTNRES_BY_DTYPE(BackwardRange)};
+}  // namespace ATTNRES_ISA
 
 }  // namespace attnres::cpu

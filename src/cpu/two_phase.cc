@@ -695,12 +695,11 @@ void Phase2Backward(const PhaseInfo& info, void*, void* partials, int64_t begin,
 }  // namespace
 
 namespace ATTNRES_ISA {
-// Indexed by attnres_dtype: FLOAT32, FLOAT64, BFLOAT16, FLOAT16.
 extern const PhaseKernels kTwoPhaseKernels = {
-    {Phase1Forward<float>, Phase1Forward<double>, Phase1Forward<Bf16>, Phase1Forward<F16>},
-    {Phase1Backward<float>, Phase1Backward<double>, Phase1Backward<Bf16>, Phase1Backward<F16>},
-    {Phase2Forward<float>, Phase2Forward<double>, Phase2Forward<Bf16>, Phase2Forward<F16>},
-    {Phase2Backward<float>, Phase2Backward<double>, Phase2Backward<Bf16>, Phase2Backward<F16>},
+    ATTNRES_BY_DTYPE(Phase1Forward),
+    ATTNRES_BY_DTYPE(Phase1Backward),
+    ATTNRES_BY_DTYPE(Phase2Forward),
+    ATTNRES_BY_DTYPE(Phase2Backward),
 };
 }  // namespace ATTNRES_ISA
 
