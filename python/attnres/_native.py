@@ -118,51 +118,21 @@ def _find_library() -> Path:
         "or point ATTNRES_LIBRARY at a built libattnres.so")
 
 
-# A call passes attnres_params packed by struct in the C layout ("@": native sizes
-# and alignment), followed by the arrays of pointers it refers to (blocks,
-# grad_blocks, the two-phase lists), in one buffer per thread that is reused from
-# call to call: one pack_into and no ctypes object per call. The formats come from
-# _Params so that the two cannot drift apart; the defaults (those of
-# attnres_params_init) are read from the library once at import.
+# A call passes the arrays of pointers it refers to (blocks, grad_blocks, the
+# two-phase lists) followed by attnres_params, packed by struct in the C layout ("@":
+# native sizes and alignment), in a buffer that is reused from call to call: one
+# pack_into and no ctypes object per call. The formats come from _Params so that the
+# two cannot drift apart; the defaults (those of attnres_params_init) are read from
+# the library once at import.
 _STRUCT_CODES = {ctypes.c_int32: "i", ctypes.c_int64: "q", ctypes.c_double: "d"}
-_PARAMS_FORMAT = "@" + "".join(_STRUCT_CODES.get(t, "P") for _, t in _Params._fields_)
+_FIELD_CODES = [_STRUCT_CODES.get(t, "P") for _, t in _Params._fields_]
+_PARAMS_FORMAT = "@" + "".join(_FIELD_CODES)
 _PARAMS_SIZE = struct.calcsize(_PARAMS_FORMAT)
 _POINTER_SIZE = ctypes.sizeof(ctypes.c_void_p)
 if _PARAMS_SIZE != ctypes.sizeof(_Params) or _PARAMS_SIZE % _POINTER_SIZE:
     raise ImportError("attnres._native: the struct format of attnres_params disagrees with _Params")
 FIELDS = {name: i for i, (name, _) in enumerate(_Params._fields_)}  # name -> position
-_FIRST_TWO_PHASE_FIELD = FIELDS["num_queries"]
 
-
-def _packer(num_pointers: int) -> struct.Struct:
-    """The Struct of attnres_params followed by num_pointers pointers (cached)."""
-    packer = _PACKERS.get(num_pointers)
-    if packer is None:
-        packer = _PACKERS[num_pointers] = struct.Struct(_PARAMS_FORMAT + f"{num_pointers}P")
-    return packer
-
-
-_PACKERS: dict = {}
-_scratch = threading.local()
-
-
-def _buffer(num_pointers: int) -> Tuple[ctypes.Array, int]:
-    """This thread's scratch buffer, large enough for the params and num_pointers
-    pointers, and its address. One per thread: ctypes releases the GIL during a call,
-    so another thread may pack its own call meanwhile; within a thread a call has
-    returned before the next one packs (nothing between the packing and the call runs
-    Python code that could call attnres, short of a finalizer that does so itself)."""
-    try:
-        buf, address, capacity = _scratch.state
-        if num_pointers <= capacity:
-            return buf, address
-    except AttributeError:
-        capacity = 0
-    capacity = max(num_pointers, 2 * capacity, 256)
-    buf = ctypes.create_string_buffer(_PARAMS_SIZE + _POINTER_SIZE * capacity)
-    address = ctypes.addressof(buf)
-    _scratch.state = (buf, address, capacity)
-    return buf, address
 
 def _library_layout(lib) -> Tuple[Layout, int]:
     """The layout of attnres_params that the library was compiled with."""
@@ -204,7 +174,6 @@ def _defaults() -> tuple:
 
 
 DEFAULTS = _defaults()
-_TWO_PHASE_DEFAULTS = DEFAULTS[_FIRST_TWO_PHASE_FIELD:]  # what the single op leaves alone
 _ABI_VERSION_FIELD = DEFAULTS[FIELDS["abi_version"]]
 if _ABI_VERSION_FIELD != _ABI_VERSION:
     raise ImportError(f"libattnres has ABI version {_ABI_VERSION_FIELD}, the package "
@@ -214,42 +183,62 @@ if _ABI_VERSION_FIELD != _ABI_VERSION:
 def entry_call(entry: str, fields: Sequence[str], arrays: Sequence[str] = ()):
     """A function call(like, *values, *arrays) that calls the ABI's `entry` with
     attnres_params whose `fields` are `values`, whose `arrays` fields point at the
-    given lists of pointers (each non-empty; stored behind the params in this
-    thread's scratch buffer), every other field at its default (attnres_params_init),
+    given lists of pointers, every other field at its default (attnres_params_init),
     with `like`'s CUDA device current when it is on one.
 
-    The function is generated once, so that a call packs every field in one
-    pack_into with no per-field Python: as cheap as the single op's forward."""
+    The function is generated once, so that a call packs in one pack_into with no
+    per-field Python. Each call site keeps, per thread and per total number of
+    pointers, a buffer that holds the pointers and then the params, whose fields past
+    the last one this call site sets hold their defaults from the start: a call packs
+    the pointers and the params only up to that field. One buffer per thread: ctypes
+    releases the GIL during a call, so another thread may pack its own call meanwhile;
+    within a thread a call has returned before the next one packs."""
     unknown = [n for n in (*fields, *arrays) if n not in FIELDS]
     if unknown or len(set((*fields, *arrays))) != len(fields) + len(arrays):
         raise ValueError(f"entry_call: unknown or repeated fields {unknown or (fields, arrays)}")
+    last = max(FIELDS[n] for n in (*fields, *arrays))
+    head = "".join(_FIELD_CODES[:last + 1])
+    last_field = getattr(_Params, _Params._fields_[last][0])
+    if struct.calcsize("@" + head) != last_field.offset + last_field.size:
+        raise ImportError(f"attnres._native: the head of attnres_params for {entry} is misaligned")
     given = {name: f"v_{name}" for name in fields}
     given.update({name: f"o_{name}" for name in arrays})
-    values = ", ".join(given.get(name, f"D[{i}]") for i, (name, _) in enumerate(_Params._fields_))
+    values = ", ".join(given.get(name, f"D[{i}]")
+                       for i, (name, _) in enumerate(_Params._fields_[:last + 1]))
     parameters = [f"v_{n}" for n in fields] + [f"a_{n}" for n in arrays]
     lines = [f"def call(like, {', '.join(parameters)}):"]
     lines.append(f"    count = {' + '.join(f'len(a_{n})' for n in arrays) or '0'}")
     lines.append("    try:")
-    lines.append("        buf, base, capacity = scratch.state")
-    lines.append("        if count > capacity:")
-    lines.append("            buf, base = buffer(count)")
-    lines.append("    except AttributeError:")
-    lines.append("        buf, base = buffer(count)")
-    offset = "base + SIZE"
+    lines.append("        buf, base, packer = local.buffers[count]")
+    lines.append("    except (AttributeError, KeyError):")
+    lines.append("        buf, base, packer = new_buffer(count)")
+    offset = "base"
     for name in arrays:
         lines.append(f"    o_{name} = {offset}")
         offset = f"o_{name} + PS * len(a_{name})"
-    pointers = "".join(f", *a_{n}" for n in arrays)
-    lines.append("    packer = PACKERS.get(count) or make_packer(count)")
-    lines.append(f"    packer.pack_into(buf, 0, {values}{pointers})")
+    pointers = "".join(f"*a_{n}, " for n in arrays)
+    lines.append(f"    packer.pack_into(buf, 0, {pointers}{values})")
+    lines.append("    params = base + PS * count")
     lines.append("    if like.is_cpu:")
-    lines.append("        status = function(base)")
+    lines.append("        status = function(params)")
     lines.append("        if status:")
     lines.append("            check(status)")
     lines.append("    else:")
-    lines.append("        call_entry(function, base, like)")
-    namespace = {"D": DEFAULTS, "scratch": _scratch, "buffer": _buffer, "PACKERS": _PACKERS,
-                 "make_packer": _packer, "SIZE": _PARAMS_SIZE, "PS": _POINTER_SIZE,
+    lines.append("        call_entry(function, params, like)")
+    local = threading.local()
+
+    def new_buffer(count: int):
+        """This thread's buffer for `count` pointers: defaults in place, and its packer."""
+        buf = ctypes.create_string_buffer(_POINTER_SIZE * count + _PARAMS_SIZE)
+        struct.pack_into(_PARAMS_FORMAT, buf, _POINTER_SIZE * count, *DEFAULTS)
+        entry = (buf, ctypes.addressof(buf), struct.Struct(f"@{count}P" + head))
+        try:
+            local.buffers[count] = entry
+        except AttributeError:
+            local.buffers = {count: entry}
+        return entry
+
+    namespace = {"D": DEFAULTS, "local": local, "new_buffer": new_buffer, "PS": _POINTER_SIZE,
                  "call_entry": _call, "check": _check, "function": getattr(_lib, entry)}
     exec("\n".join(lines), namespace)  # noqa: S102  (the source is built above from names)
     call = namespace["call"]
@@ -308,14 +297,20 @@ if os.environ.get("ATTNRES_HUGEPAGES", "1") != "0" and sys.platform.startswith("
 def new_output(like: torch.Tensor, nbytes: int) -> torch.Tensor:
     """An uninitialised contiguous tensor like `like` (nbytes of it), asking for
     huge pages when it is large and on the CPU. Failure of the advice is harmless."""
-    out = torch.empty_like(like, memory_format=torch.contiguous_format)
-    if nbytes >= 2 * _HUGE_PAGE and _madvise is not None and out.is_cpu:
+    if nbytes < _LARGE_OUTPUT and like.is_contiguous():
+        return _empty_like(like)  # the common small case, in one call
+    out = _empty_like(like, memory_format=torch.contiguous_format)
+    if nbytes >= _LARGE_OUTPUT and _madvise is not None and out.is_cpu:
         start = out.data_ptr()
         first = (start + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
         last = (start + nbytes) // _HUGE_PAGE * _HUGE_PAGE
         if last > first:
             _madvise(first, last - first, _MADV_HUGEPAGE)
     return out
+
+
+_LARGE_OUTPUT = 2 * _HUGE_PAGE  # smaller outputs span too few huge pages to advise
+_empty_like = torch.empty_like
 
 
 # ---------------------------------------------------------------------------------
@@ -382,7 +377,7 @@ def row_stride(x: torch.Tensor, dim: int) -> Optional[int]:
 def rows(tensors: Sequence[torch.Tensor], dim: int) -> Tuple[List[torch.Tensor], int]:
     """The tensors with one shared row stride (the ABI's one stride per group of row
     tensors), copying only those that need it."""
-    for t in tensors:  # a plain loop: all() over a generator costs ~1 us more
+    for t in tensors:  # a plain loop: cheaper than all() over a generator
         if not t.is_contiguous():
             break
     else:

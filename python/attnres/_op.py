@@ -10,8 +10,8 @@ An op declares (``attnres/ops/<op>.py``):
   ``layout`` is what the op's fast check found (pointers, contiguity), or None;
 * ``check(function, *inputs, *attrs)``: the validator; errors name ``function``;
 * ``fake(*inputs, *attrs)``: empty results of the right shapes (after ``check``);
-* ``save(inputs, attrs, outputs)``: the tensors autograd keeps (None allowed: nothing
-  to keep, and then no gradient), flat; by default the inputs themselves;
+* ``save(flat_inputs, attrs, outputs)``: the tensors autograd keeps (None allowed:
+  nothing to keep, and then no gradient); by default the flat inputs themselves;
 * ``backward(grads, saved, attrs, needs)``: the native backward. ``grads`` has one
   entry per result (None: zero), ``needs`` one flag per saved tensor (only where that
   tensor is not None); it returns one gradient per saved tensor (None where unneeded);
@@ -84,7 +84,7 @@ class OpDef:
         self.name = f"attnres::{name}"
         self.inputs, self.attrs, self.returns = tuple(inputs), tuple(attrs), returns
         self.forward, self.check, self.fake, self.backward = forward, check, fake, backward
-        self.save = save or (lambda inputs, attrs, outputs: self.flatten(inputs))
+        self.save = save or (lambda flat, attrs, outputs: flat)
         self.saved_needs, self.input_grads = saved_needs, input_grads
         self.has_list = any(kind == "Tensor[]" for _, kind in inputs)
         if self.has_list and inputs[0][1] != "Tensor[]":
@@ -155,9 +155,6 @@ class OpDef:
 
     # -- autograd: one backward for the formula and for the eager Function -----------
 
-    def _save(self, ctx, inputs: Sequence, attrs: tuple, outputs) -> None:
-        ctx.attrs = attrs
-        ctx.save_for_backward(*self.save(inputs, attrs, outputs))
 
     def _grads(self, ctx, grads: Sequence, input_needs: Sequence[bool], direct: bool) -> list:
         """The gradients of the flat inputs, None where not needed; through the native
@@ -176,7 +173,8 @@ class OpDef:
 
     def _setup_context(self, ctx, inputs, output):
         split = len(self.inputs)
-        self._save(ctx, inputs[:split], tuple(inputs[split:]), output)
+        ctx.attrs = attrs = tuple(inputs[split:])
+        ctx.save_for_backward(*self.save(self.flatten(inputs[:split]), attrs, output))
 
     def _formula(self, ctx, *grads):
         if self.returns == "Tensor[]":
@@ -189,9 +187,9 @@ class OpDef:
         op = self
 
         def forward(ctx, attrs, layout, *flat):
-            inputs = op.unflatten(flat)
-            outputs = op.forward(*inputs, *attrs, layout=layout)
-            op._save(ctx, inputs, attrs, outputs)
+            outputs = op.forward(*op.unflatten(flat), *attrs, layout=layout)
+            ctx.attrs = attrs
+            ctx.save_for_backward(*op.save(flat, attrs, outputs))
             ctx.set_materialize_grads(False)  # a missing gradient is zero to the kernels
             return tuple(outputs) if op.returns == "Tensor[]" else outputs
 

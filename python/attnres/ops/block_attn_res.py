@@ -62,23 +62,14 @@ _backward_call = _native.entry_call(
     ("blocks", "grad_blocks"))
 
 
-class _Sources(NamedTuple):
-    """The sources in one row stride, as the ABI takes them."""
-
-    first: Tensor      # the first source (holds dtype, device and shape)
-    pointers: list     # the blocks' data_ptr()s, then the partial block's
-    stride: int        # the one row stride of all sources
-    keep: list         # the tensors behind the pointers (copies must outlive the call)
-
-
-def _sources(blocks: Sequence[Tensor], partial: Optional[Tensor],
-             layout: Optional[_validate.Layout]) -> _Sources:
+def _sources(blocks: Sequence[Tensor], partial: Optional[Tensor]):
+    """(first source, the pointers of the blocks then of the partial block, their one
+    row stride, the tensors behind the pointers). Copies made here (a layout the ABI
+    cannot take) must outlive the call: the caller holds the last item until then."""
     first = blocks[0] if len(blocks) else partial
-    if layout is not None and layout.contiguous:
-        return _Sources(first, layout.pointers, first.shape[-1], [])
     sources, stride = _native.rows([*blocks, partial] if partial is not None else list(blocks),
                                    first.shape[-1])
-    return _Sources(sources[0], [s.data_ptr() for s in sources], stride, sources)
+    return sources[0], [s.data_ptr() for s in sources], stride, sources
 
 
 def _split(pointers: list, has_partial: bool):
@@ -89,26 +80,39 @@ def _split(pointers: list, has_partial: bool):
 
 
 def _forward(blocks, partial, w, gamma, eps, scale, rmsnorm, layout, rms, alpha) -> Tensor:
-    """h into a new tensor, the caches into rms and alpha when given."""
+    """h into a new tensor, the caches into rms and alpha when given. Written out, not
+    through helpers: on a few tokens the Python here is the cost of the call."""
     gamma = gamma if rmsnorm else None
-    src = _sources(blocks, partial, layout)
-    first, dim = src.first, src.first.shape[-1]
-    tokens, nbytes = _native.row_bytes(first, dim)
-    out = _native.new_output(first, nbytes)
+    if layout is not None and layout.contiguous:
+        first = blocks[0] if blocks else partial
+        pointers, _keep = layout.pointers, None
+        dim = stride = first.shape[-1]
+    else:
+        first, pointers, stride, _keep = _sources(blocks, partial)
+        dim = first.shape[-1]
+    tokens = first.numel() // dim if dim else 0
+    out = _native.new_output(first, tokens * dim * _ELEMENT_BYTES[first.dtype])
     if tokens == 0:  # empty tensors may have null data pointers, which the ABI refuses
         return out
-    if not (layout is not None and layout.contiguous):
+    if _keep is not None:
         # Held in locals until the call returns: a temporary's storage would be freed
         # before the library reads it.
         w = w.contiguous()
         gamma = gamma.contiguous() if gamma is not None else None
-    device, stream = _native.device_and_stream(_FUNCTION, first)
-    block_pointers, partial_pointer = _split(src.pointers, partial is not None)
-    _forward_call(first, tokens, dim, len(blocks), _native.DTYPE_CODES[first.dtype], device,
-                  stream, partial_pointer, src.stride, w.data_ptr(), _native.ptr(gamma), scale,
-                  eps, 1 if rmsnorm else 0, out.data_ptr(), dim, _native.ptr(rms),
-                  _native.ptr(alpha), block_pointers)
+    device, stream = (0, 0) if first.is_cpu else _native.device_and_stream(_FUNCTION, first)
+    if partial is not None:  # the partial block's pointer is the last
+        partial_pointer, pointers = pointers[-1], pointers[:-1]
+    else:
+        partial_pointer = 0
+    _forward_call(first, tokens, dim, len(blocks), _DTYPE_CODES[first.dtype], device, stream,
+                  partial_pointer, stride, w.data_ptr(),
+                  gamma.data_ptr() if gamma is not None else 0, scale, eps, 1 if rmsnorm else 0,
+                  out.data_ptr(), dim, rms.data_ptr() if rms is not None else 0,
+                  alpha.data_ptr() if alpha is not None else 0, pointers or [0])
     return out
+
+
+_ELEMENT_BYTES, _DTYPE_CODES = _native.ELEMENT_BYTES, _native.DTYPE_CODES
 
 
 def forward(blocks: Sequence[Tensor], partial: Optional[Tensor], w: Tensor,
@@ -169,10 +173,10 @@ def gradients(function: str, grad_out: Tensor, blocks: Sequence[Tensor],
     anyway, so no extra memory traffic."""
     num_blocks = len(blocks)
     gamma = gamma if rmsnorm else None
-    src = _sources(blocks, partial, None)
-    first, dim = src.first, src.first.shape[-1]
+    first, pointers, stride, _keep = _sources(blocks, partial)
+    dim = first.shape[-1]
     _validate.grad_out(function, "grad_out", grad_out, first)
-    rms_cache, alpha_cache = _caches(function, first, len(src.pointers),
+    rms_cache, alpha_cache = _caches(function, first, len(pointers),
                                      rms_cache if rmsnorm else None, alpha_cache)
     if needs is None:
         needs = [True] * (num_blocks + 3)
@@ -191,9 +195,9 @@ def gradients(function: str, grad_out: Tensor, blocks: Sequence[Tensor],
     w = w.contiguous()
     gamma = gamma.contiguous() if gamma is not None else None
     device, stream = _native.device_and_stream(function, first)
-    block_pointers, partial_pointer = _split(src.pointers, partial is not None)
+    block_pointers, partial_pointer = _split(pointers, partial is not None)
     _backward_call(first, tokens, dim, num_blocks, _native.DTYPE_CODES[first.dtype], device,
-                   stream, partial_pointer, src.stride, w.data_ptr(), _native.ptr(gamma), scale,
+                   stream, partial_pointer, stride, w.data_ptr(), _native.ptr(gamma), scale,
                    eps, 1 if rmsnorm else 0, _native.ptr(rms_cache), _native.ptr(alpha_cache),
                    grad_out.data_ptr(), grad_stride, _native.ptr(grad_partial), dim,
                    _native.ptr(grad_w), _native.ptr(grad_gamma), block_pointers,
@@ -214,9 +218,9 @@ def _fake(blocks, partial, w, gamma, eps, scale, rmsnorm):
     return first.new_empty(first.shape)
 
 
-def _save(inputs, attrs, outputs):
-    blocks, partial, w, gamma = inputs
-    return [*blocks, partial, w, gamma if attrs[2] else None]  # gamma only with rmsnorm
+def _save(flat, attrs, outputs):
+    """The inputs by reference; gamma only with rmsnorm (the fast path has it None then)."""
+    return flat if attrs[2] or flat[-1] is None else [*flat[:-1], None]
 
 
 def _backward(grads, saved, attrs, needs):

@@ -160,9 +160,9 @@ def _fake(blocks, w, gamma, eps, scale, rmsnorm):
             + [first.new_empty(first.shape[:-1], dtype=acc) for _ in range(num_queries)])
 
 
-def _save(inputs, attrs, outputs):
-    blocks, w, gamma = inputs
-    return [*blocks, w, gamma if attrs[2] else None]  # gamma only with rmsnorm
+def _save(flat, attrs, outputs):
+    """The inputs by reference; gamma only with rmsnorm (the fast path has it None then)."""
+    return flat if attrs[2] or flat[-1] is None else [*flat[:-1], None]
 
 
 def _split_grads(function: str, grads, num_queries: int):
@@ -251,7 +251,8 @@ class Phase1InStream(torch.autograd.Function):
         ctx.token = (flat[0].dtype, flat[0].device)  # the token's gradient is like it
         sums.claimed = num_blocks
         outputs = forward(*inputs, *attrs, layout=layout)
-        OP._save(ctx, inputs, attrs, outputs)
+        ctx.attrs = attrs
+        ctx.save_for_backward(*_save(flat, attrs, outputs))
         ctx.set_materialize_grads(False)  # a missing gradient is zero to the kernel
         return (*outputs, flat[0].new_empty(0))
 

@@ -64,9 +64,11 @@ def _rows(out: Tensor, partial: Optional[Tensor], update: Optional[Tensor]):
 
 def _forward(out, lse, partial, update, w, gamma, norm_weight, eps, scale, rmsnorm,
              input_norm, norm_eps, layout):
-    """(h, new_partial or None) for checked inputs."""
+    """(h, new_partial or None) for checked inputs. Written out, not through helpers: on
+    a few tokens the Python here is the cost of the call."""
     dim = out.shape[-1]
-    tokens, nbytes = _native.row_bytes(out, dim)
+    tokens = out.numel() // dim if dim else 0
+    nbytes = tokens * dim * _ELEMENT_BYTES[out.dtype]
     gamma = gamma if rmsnorm else None
     norm_weight = norm_weight if input_norm else None
     if layout is not None and layout.contiguous:
@@ -83,13 +85,18 @@ def _forward(out, lse, partial, update, w, gamma, norm_weight, eps, scale, rmsno
     new_partial = _native.new_output(out, nbytes) if update is not None else None
     if tokens == 0:
         return result, new_partial
-    device, stream = _native.device_and_stream(_FUNCTION, out)
-    _forward_call(out, tokens, dim, _native.DTYPE_CODES[out.dtype], device, stream, scale, eps,
-                  1 if rmsnorm else 0, out.data_ptr(), lse.data_ptr(), _native.ptr(partial),
-                  stride, w.data_ptr(), _native.ptr(gamma), 1 if input_norm else 0, norm_eps,
-                  _native.ptr(norm_weight), result.data_ptr(), dim, _native.ptr(update),
-                  _native.ptr(new_partial))
+    device, stream = (0, 0) if out.is_cpu else _native.device_and_stream(_FUNCTION, out)
+    _forward_call(out, tokens, dim, _DTYPE_CODES[out.dtype], device, stream, scale, eps,
+                  1 if rmsnorm else 0, out.data_ptr(), lse.data_ptr(),
+                  partial.data_ptr() if partial is not None else 0, stride, w.data_ptr(),
+                  gamma.data_ptr() if gamma is not None else 0, 1 if input_norm else 0,
+                  norm_eps, norm_weight.data_ptr() if norm_weight is not None else 0,
+                  result.data_ptr(), dim, update.data_ptr() if update is not None else 0,
+                  new_partial.data_ptr() if new_partial is not None else 0)
     return result, new_partial
+
+
+_ELEMENT_BYTES, _DTYPE_CODES = _native.ELEMENT_BYTES, _native.DTYPE_CODES
 
 
 def forward(out: Tensor, lse: Tensor, partial: Optional[Tensor], w: Tensor,
@@ -211,6 +218,15 @@ def _saved(out, lse, partial, w, gamma, norm_weight, attrs) -> list:
             norm_weight if input_norm else None]
 
 
+def _save(flat, attrs, outputs):
+    return _saved(*flat, attrs)
+
+
+def _save_update(flat, attrs, outputs):
+    out, lse, _, _, w, gamma, norm_weight = flat
+    return _saved(out, lse, outputs[1], w, gamma, norm_weight, attrs)
+
+
 def _backward(grads, saved, attrs, needs):
     """grads: h's, then (after an update, or passed through in a stream) the partial
     block's from its other uses."""
@@ -222,7 +238,7 @@ def _backward(grads, saved, attrs, needs):
 OP = OpDef(
     "phase2", inputs=_INPUTS, attrs=_ATTRS, returns="Tensor", forward=forward,
     check=_check, fake=lambda out, *rest: out.new_empty(out.shape),
-    save=lambda inputs, attrs, outputs: _saved(*inputs, attrs), backward=_backward)
+    save=_save, backward=_backward)
 
 # phase2_update saves new_partial in place of partial and update: new_partial =
 # partial + update, so both get its one gradient, which the kernel forms with the
@@ -231,7 +247,7 @@ UPDATE_OP = OpDef(
     "phase2_update", inputs=_INPUTS[:3] + (("update", "Tensor"),) + _INPUTS[3:],
     attrs=_ATTRS, returns="(Tensor, Tensor)", forward=forward_update, check=_check_update,
     fake=lambda out, *rest: (out.new_empty(out.shape), out.new_empty(out.shape)),
-    save=lambda inputs, attrs, outputs: _saved(*inputs[:2], outputs[1], *inputs[4:], attrs),
+    save=_save_update,
     backward=_backward,
     saved_needs=lambda n: (n[0], n[1], n[2] or n[3], *n[4:]),
     input_grads=lambda g: (g[0], g[1], g[2], g[2], *g[3:]))
