@@ -8,11 +8,10 @@
 #     families: block_fused block_generic phase1 phase2 (default: all)
 #
 # Exit status: 0 when every check passes, 1 on any mismatch, 2 on a build error.
-# The sources are copied to a temp dir and rewritten there (src/cuda is not touched):
-#   - `extern __shared__ [__align__(N)] T name[];` -> a pointer to the emulator's
-#     dynamic shared memory;
-#   - the device half of two_phase.cu (everything before its "// Host side."
-#     banner) becomes cuda/two_phase_kernels.h.
+# The kernels build from src/cuda as they are: the driver includes their headers
+# (block_attn_res_*.cuh, phase1_kernel.cuh, phase2_kernel.cuh) after emu.h, and
+# common.cuh's ATTNRES_DYNAMIC_SHARED points the dynamic shared memory at the
+# emulator's. Objects go to a fresh temp dir (under TMPDIR), removed on exit.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,32 +25,18 @@ if [[ ! -f "$CUDA_INCLUDE/cuda_runtime.h" ]]; then
   exit 2
 fi
 
-mkdir -p "$WORK/src"
-cp -r "$ROOT/src/." "$WORK/src/"
-for f in "$WORK"/src/cuda/*.cu "$WORK"/src/cuda/*.cuh; do
-  perl -0pi -e 's/extern __shared__ (?:__align__\(\d+\) )?([\w:]+(?: [\w:]+)*) (\w+)\[\];/$1* $2 = reinterpret_cast<$1*>(emu::DynSmem());/g' "$f"
-done
-if grep -n "extern __shared__" "$WORK"/src/cuda/*.cu "$WORK"/src/cuda/*.cuh >&2; then
-  echo "cuda_emulate: an extern __shared__ declaration the rewrite does not handle (above)" >&2
-  exit 2
-fi
-if ! grep -q '^// Host side\.' "$WORK/src/cuda/two_phase.cu"; then
-  echo "cuda_emulate: two_phase.cu has no '// Host side.' banner to cut at" >&2
-  exit 2
-fi
-{
-  perl -0ne 'print $1 if /\A(.*?)\/\/ -+\n\/\/ Host side\./s' "$WORK/src/cuda/two_phase.cu"
-  printf '}  // namespace\n}  // namespace cuda\n}  // namespace attnres\n'
-} > "$WORK/src/cuda/two_phase_kernels.h"
+# Until the driver includes phase1_kernel.cuh and phase2_kernel.cuh itself.
+mkdir -p "$WORK/shim/cuda"
+printf '#include "cuda/phase1_kernel.cuh"\n#include "cuda/phase2_kernel.cuh"\n' > "$WORK/shim/cuda/two_phase_kernels.h"
 
 echo "cuda_emulate: building (g++ against $CUDA_INCLUDE) ..."
 start=$(date +%s)
 # The reference is built in the background while the driver compiles.
-"$CXX" -std=c++17 -O2 -c -I"$WORK/src" -I"$ROOT/include" "$WORK/src/ref/reference.cc" -o "$WORK/reference.o" &
+"$CXX" -std=c++17 -O2 -c -I"$ROOT/src" -I"$ROOT/include" "$ROOT/src/ref/reference.cc" -o "$WORK/reference.o" &
 ref1=$!
-"$CXX" -std=c++17 -O2 -c -I"$WORK/src" -I"$ROOT/include" "$WORK/src/ref/two_phase_reference.cc" -o "$WORK/two_phase_reference.o" &
+"$CXX" -std=c++17 -O2 -c -I"$ROOT/src" -I"$ROOT/include" "$ROOT/src/ref/two_phase_reference.cc" -o "$WORK/two_phase_reference.o" &
 ref2=$!
-if ! "$CXX" -std=c++17 -O2 -w -I"$CUDA_INCLUDE" -I"$ROOT/include" -I"$WORK/src" \
+if ! "$CXX" -std=c++17 -O2 -w -I"$CUDA_INCLUDE" -I"$ROOT/include" -I"$ROOT/src" -I"$WORK/shim" \
     -I"$ROOT/tests/cuda_emulation" -include emu.h \
     -c "$ROOT/tests/cuda_emulation/driver.cc" -o "$WORK/driver.o"; then
   echo "cuda_emulate: build failed" >&2

@@ -194,17 +194,11 @@ attnres_status LaunchAndReduce(void (*kernel)(Args), int grid, int threads, size
   return ReduceWeightGrads<T>(p, u_rows, rows, stream);
 }
 
-template <typename T>
-attnres_status GenericLaunch(const attnres_params& p, bool backward, const Device& device,
-                             cudaStream_t stream);
-
-// The fused launchers take the register kernels instead of the pipelined ones,
-// and the generic kernels instead of the register ones, when the device cannot
-// give the launch the shared memory it needs (the opt-in beyond 48 KiB, on GPUs
-// older than sm_80).
+// The fused launchers launch nothing and set *fits = false when the device
+// cannot give the launch the shared memory it needs (RunFused falls back).
 template <typename T>
 attnres_status FusedForward(const attnres_params& p, const plan::Layout& layout, bool pipeline,
-                            const Device& device, cudaStream_t stream) {
+                            const Device& device, cudaStream_t stream, bool* fits) {
   constexpr int kVec = Chunk<T>::kVec;
   const int threads = layout.group_threads * layout.groups_per_cta;
   const FusedForwardFn kernel = FusedForwardFor<T>(layout.chunks, pipeline);
@@ -214,14 +208,11 @@ attnres_status FusedForward(const attnres_params& p, const plan::Layout& layout,
   const size_t shared_wg_bytes = static_cast<size_t>(layout.row_chunks * kVec) * sizeof(float);
   const size_t shared_bytes =
       shared_wg_bytes + (pipeline ? plan::ForwardRingBytes(layout.chunks, threads) : 0);
-  bool fits = true;
   if (attnres_status s = AllowSharedMemory(reinterpret_cast<const void*>(kernel), shared_bytes,
-                                           name, device, &fits);
-      s != ATTNRES_OK) {
+                                           name, device, fits);
+      s != ATTNRES_OK || !*fits) {
     return s;
   }
-  if (!fits && pipeline) return FusedForward<T>(p, layout, false, device, stream);
-  if (!fits) return GenericLaunch<T>(p, false, device, stream);
 
   FusedForwardArgs args;
   Scratch table_storage(device, stream);
@@ -256,9 +247,8 @@ attnres_status FusedForward(const attnres_params& p, const plan::Layout& layout,
 
 template <typename T>
 attnres_status FusedBackward(const attnres_params& p, plan::Layout layout, bool pipeline,
-                             const Device& device, cudaStream_t stream) {
+                             const Device& device, cudaStream_t stream, bool* fits) {
   const int64_t L = NumSources(p);
-  const plan::Layout chosen = layout;
   const plan::StatsPlacement placement = plan::PlaceBackwardStats(L, Chunk<T>::kVec, &layout);
   const FusedBackwardFn kernel = FusedBackwardFor<T>(layout.chunks, pipeline);
   const std::string name =
@@ -270,14 +260,11 @@ attnres_status FusedBackward(const attnres_params& p, plan::Layout layout, bool 
   const size_t shared_bytes =
       pipeline ? 16 * ring_offset + plan::BackwardRingBytes(layout.chunks, threads)
                : placement.dynamic_shared_bytes;
-  bool fits = true;
   if (attnres_status s = AllowSharedMemory(reinterpret_cast<const void*>(kernel), shared_bytes,
-                                           name, device, &fits);
-      s != ATTNRES_OK) {
+                                           name, device, fits);
+      s != ATTNRES_OK || !*fits) {
     return s;
   }
-  if (!fits && pipeline) return FusedBackward<T>(p, chosen, false, device, stream);
-  if (!fits) return GenericLaunch<T>(p, true, device, stream);
 
   FusedBackwardArgs args;
   LaunchScratch scratch(device, stream);
@@ -370,6 +357,21 @@ attnres_status GenericLaunch(const attnres_params& p, bool backward, const Devic
                            stream);
 }
 
+// A fused launch on `layout`, or, when the device cannot give it the shared
+// memory it needs (the opt-in beyond 48 KiB, on GPUs older than sm_80), the
+// register kernels instead of the pipelined ones and the generic kernels
+// instead of the register ones.
+template <typename T>
+attnres_status RunFused(const attnres_params& p, const plan::Layout& layout, bool backward,
+                        bool pipeline, const Device& device, cudaStream_t stream) {
+  bool fits = true;
+  const attnres_status s = backward ? FusedBackward<T>(p, layout, pipeline, device, stream, &fits)
+                                    : FusedForward<T>(p, layout, pipeline, device, stream, &fits);
+  if (s != ATTNRES_OK || fits) return s;
+  if (pipeline) return RunFused<T>(p, layout, backward, false, device, stream);
+  return GenericLaunch<T>(p, backward, device, stream);
+}
+
 template <typename T>
 attnres_status Run(const attnres_params& p, bool backward, const Device& device,
                    cudaStream_t stream) {
@@ -388,13 +390,12 @@ attnres_status Run(const attnres_params& p, bool backward, const Device& device,
     pipeline = pipeline && PipelinedRowsAligned(p, backward) &&
                (backward ? plan::BackwardCanPipeline(layout.chunks)
                          : plan::ForwardCanPipeline(layout.chunks));
-    return backward ? FusedBackward<T>(p, layout, pipeline, device, stream)
-                    : FusedForward<T>(p, layout, pipeline, device, stream);
+    return RunFused<T>(p, layout, backward, pipeline, device, stream);
   }
 }
 
 // dw and dgamma are sums over the tokens: over none they are zero, as on the CPU (all
-// bits zero is +0 in every dtype). The first GPU run found them left unwritten.
+// bits zero is +0 in every dtype), and must be written as such.
 attnres_status ZeroWeightGrads(const attnres_params& p, cudaStream_t stream) {
   const size_t bytes = static_cast<size_t>(p.dim) * ElementBytes(p.dtype);
   for (void* grad : {p.grad_proj_weight, p.grad_gamma}) {

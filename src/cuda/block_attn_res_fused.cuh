@@ -428,7 +428,7 @@ __global__ void __launch_bounds__(ForwardMaxThreads(kChunks), ForwardMinCtas(kCh
   // [padded_dim] floats of wg, then (kStages > 0) the ring: slot s of chunk k of
   // thread t at ring[(s * kChunks + k) * blockDim.x + t], so a warp's 16-byte
   // reads of one slot are consecutive (no bank conflicts).
-  extern __shared__ float4 shared_storage[];
+  ATTNRES_DYNAMIC_SHARED(float4, shared_storage);
   float* shared_wg = reinterpret_cast<float*>(shared_storage);
 
   const Group g = MakeGroup(args.group_threads);
@@ -839,7 +839,7 @@ __global__ void __launch_bounds__(BackwardMaxThreads(kChunks))
   using Bits = typename Slice::Bits;
   using Raw = typename Slice::Raw;
   // [wg,] then the groups' statistics, then (kStages > 0) the row ring.
-  extern __shared__ float4 shared_storage[];
+  ATTNRES_DYNAMIC_SHARED(float4, shared_storage);
   float* shared = reinterpret_cast<float*>(shared_storage);
 
   const Group g = MakeGroup(args.group_threads);

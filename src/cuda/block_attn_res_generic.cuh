@@ -72,41 +72,41 @@ __device__ __forceinline__ typename Traits<T>::Acc WeightTimesGamma(const Generi
   return args.gamma != nullptr ? w * LoadAcc<T>(args.gamma, d) : w;
 }
 
-// A CTA's statistics of its current token, as rows of L: its slice of the
-// scratch, 4 L values of Acc (the host allocates one slice per CTA). One layout
-// for both kernels; the forward uses z and alpha only.
+// What a CTA holds for the whole launch: the call's constants, the statistics
+// of its current token as rows of L (its slice of the scratch, 4 L values of
+// Acc: the host allocates one slice per CTA; one layout for both directions,
+// the forward uses z and alpha only) and the caches.
 template <typename Acc>
-struct CtaStats {
-  Acc* ga;     // backward: dot(g, v_i), then gz_i, then a_i
-  Acc* z;      // z_i (backward: dot(wg, v_i) first, b_i last)
-  Acc* r;      // backward: sum(v_i^2), then r_i
-  Acc* alpha;  // alpha_i
+struct GenericCta {
+  int L;
+  Acc scale, eps;
+  Acc* ga;           // backward: dot(g, v_i), then gz_i, then a_i
+  Acc* z;            // z_i (backward: dot(wg, v_i) first, b_i last)
+  Acc* r;            // backward: sum(v_i^2), then r_i
+  Acc* alpha;        // alpha_i
+  Acc* rms_cache;    // [num_tokens, L] or null
+  Acc* alpha_cache;  // [num_tokens, L] or null
 
-  __device__ __forceinline__ explicit CtaStats(const GenericArgs& args) {
-    const int L = args.num_sources;
+  __device__ __forceinline__ explicit GenericCta(const GenericArgs& args) {
+    L = args.num_sources;
+    scale = static_cast<Acc>(args.scale);
+    eps = static_cast<Acc>(args.eps);
     ga = static_cast<Acc*>(args.stats_scratch) + static_cast<int64_t>(blockIdx.x) * 4 * L;
     z = ga + L;
     r = ga + 2 * L;
     alpha = ga + 3 * L;
+    rms_cache = static_cast<Acc*>(args.rms_cache);
+    alpha_cache = static_cast<Acc*>(args.alpha_cache);
   }
 };
 
-template <typename T>
-__global__ void __launch_bounds__(kGenericThreads)
-    GenericForwardKernel(const __grid_constant__ GenericArgs args) {
-  using Acc = typename Traits<T>::Acc;
-  __shared__ Acc slots[kMaxWarpsPerCta][2];
-  const int L = args.num_sources;
-  const Acc scale = static_cast<Acc>(args.scale), eps = static_cast<Acc>(args.eps);
-  const CtaStats<Acc> stats(args);
-  Acc* z = stats.z;
-  Acc* alpha = stats.alpha;
-  Acc* rms_cache = static_cast<Acc*>(args.rms_cache);
-  Acc* alpha_cache = static_cast<Acc*>(args.alpha_cache);
-
+// Forward: one CTA per token; each source is read twice (logits, then h).
+template <typename T, typename Acc>
+__device__ __forceinline__ void GenericForward(const GenericArgs& args, const GenericCta<Acc>& cta,
+                                               Acc (*slots)[2]) {
   for (int64_t token = blockIdx.x; token < args.num_tokens; token += gridDim.x) {
     const int64_t row = token * args.strides.source;
-    for (int i = 0; i < L; ++i) {
+    for (int i = 0; i < cta.L; ++i) {
       const void* src = args.sources.Get(i);
       Acc part[2] = {0, 0};  // dot(wg, v_i), sum(v_i^2)
       for (int64_t d = threadIdx.x; d < args.dim; d += blockDim.x) {
@@ -115,46 +115,36 @@ __global__ void __launch_bounds__(kGenericThreads)
         part[1] += v * v;
       }
       BlockSum<2>(part, slots);
-      const Acc rms = args.rmsnorm ? math::Rms(part[1], args.dim, eps) : Acc(1);
+      const Acc rms = args.rmsnorm ? math::Rms(part[1], args.dim, cta.eps) : Acc(1);
       if (threadIdx.x == 0) {
-        z[i] = scale * (part[0] / rms);
-        if (rms_cache != nullptr) rms_cache[token * L + i] = rms;
+        cta.z[i] = cta.scale * (part[0] / rms);
+        if (cta.rms_cache != nullptr) cta.rms_cache[token * cta.L + i] = rms;
       }
     }
     __syncthreads();
-    if (threadIdx.x == 0) math::Softmax(z, alpha, L);
+    if (threadIdx.x == 0) math::Softmax(cta.z, cta.alpha, cta.L);
     __syncthreads();
-    if (alpha_cache != nullptr) {
-      for (int i = threadIdx.x; i < L; i += blockDim.x) alpha_cache[token * L + i] = alpha[i];
+    if (cta.alpha_cache != nullptr) {
+      for (int i = threadIdx.x; i < cta.L; i += blockDim.x) {
+        cta.alpha_cache[token * cta.L + i] = cta.alpha[i];
+      }
     }
     // h = sum_i alpha_i v_i: the second read of every source.
     for (int64_t d = threadIdx.x; d < args.dim; d += blockDim.x) {
       Acc h = 0;
-      for (int i = 0; i < L; ++i) h += alpha[i] * LoadAcc<T>(args.sources.Get(i), row + d);
+      for (int i = 0; i < cta.L; ++i) h += cta.alpha[i] * LoadAcc<T>(args.sources.Get(i), row + d);
       StoreAcc<T>(args.out, token * args.strides.out + d, h);
     }
     __syncthreads();
   }
 }
 
-// One CTA per chunk of plan::kTokensPerRow tokens, whose U partial row it owns:
-// each thread adds its own columns, token after token, so the row needs no
-// atomics and no zeroing beforehand.
-template <typename T>
-__global__ void __launch_bounds__(kGenericThreads)
-    GenericBackwardKernel(const __grid_constant__ GenericArgs args) {
-  using Acc = typename Traits<T>::Acc;
-  __shared__ Acc slots[kMaxWarpsPerCta][3];
-  const int L = args.num_sources;
-  const Acc scale = static_cast<Acc>(args.scale), eps = static_cast<Acc>(args.eps);
-  const CtaStats<Acc> stats(args);
-  Acc* stat_ga = stats.ga;
-  Acc* stat_z = stats.z;
-  Acc* stat_r = stats.r;
-  Acc* stat_alpha = stats.alpha;
-  const Acc* rms_cache = static_cast<const Acc*>(args.rms_cache);
-  const Acc* alpha_cache = static_cast<const Acc*>(args.alpha_cache);
-
+// Backward: one CTA per chunk of plan::kTokensPerRow tokens, whose U partial
+// row it owns: each thread adds its own columns, token after token, so the row
+// needs no atomics and no zeroing beforehand.
+template <typename T, typename Acc>
+__device__ __forceinline__ void GenericBackward(const GenericArgs& args,
+                                                const GenericCta<Acc>& cta, Acc (*slots)[3]) {
   for (int64_t chunk = blockIdx.x; chunk < args.num_chunks; chunk += gridDim.x) {
     Acc* u_row = args.u_partials != nullptr ? static_cast<Acc*>(args.u_partials) + chunk * args.dim
                                             : nullptr;
@@ -164,7 +154,7 @@ __global__ void __launch_bounds__(kGenericThreads)
       const int64_t row = token * args.strides.source;
       const int64_t grad_row = token * args.strides.grad_out;
       // Pass 1.
-      for (int i = 0; i < L; ++i) {
+      for (int i = 0; i < cta.L; ++i) {
         const void* src = args.sources.Get(i);
         Acc part[3] = {0, 0, 0};
         for (int64_t d = threadIdx.x; d < args.dim; d += blockDim.x) {
@@ -175,35 +165,35 @@ __global__ void __launch_bounds__(kGenericThreads)
         }
         BlockSum<3>(part, slots);
         if (threadIdx.x == 0) {
-          stat_ga[i] = part[0];
-          stat_z[i] = part[1];
-          stat_r[i] = part[2];
+          cta.ga[i] = part[0];
+          cta.z[i] = part[1];
+          cta.r[i] = part[2];
         }
       }
       __syncthreads();
-      for (int i = threadIdx.x; i < L; i += blockDim.x) {
+      for (int i = threadIdx.x; i < cta.L; i += blockDim.x) {
         Acc rms = 1;
-        if (rms_cache != nullptr) {
-          rms = rms_cache[token * L + i];
+        if (cta.rms_cache != nullptr) {
+          rms = cta.rms_cache[token * cta.L + i];
         } else if (args.rmsnorm) {
-          rms = math::Rms(stat_r[i], args.dim, eps);
+          rms = math::Rms(cta.r[i], args.dim, cta.eps);
         }
-        stat_z[i] = scale * (stat_z[i] / rms);
-        stat_r[i] = rms;
-        if (alpha_cache != nullptr) stat_alpha[i] = alpha_cache[token * L + i];
+        cta.z[i] = cta.scale * (cta.z[i] / rms);
+        cta.r[i] = rms;
+        if (cta.alpha_cache != nullptr) cta.alpha[i] = cta.alpha_cache[token * cta.L + i];
       }
       __syncthreads();
       if (threadIdx.x == 0) {
-        if (alpha_cache == nullptr) math::Softmax(stat_z, stat_alpha, L);
-        math::SoftmaxBackward(stat_alpha, stat_ga, L, Acc(0), stat_ga);
+        if (cta.alpha_cache == nullptr) math::Softmax(cta.z, cta.alpha, cta.L);
+        math::SoftmaxBackward(cta.alpha, cta.ga, cta.L, Acc(0), cta.ga);
       }
       __syncthreads();
-      for (int i = threadIdx.x; i < L; i += blockDim.x) {
+      for (int i = threadIdx.x; i < cta.L; i += blockDim.x) {
         const math::KeyChain<Acc> chain =
-            math::KeyGradient(stat_z[i], stat_r[i], scale, args.dim, args.rmsnorm);
-        const Acc gz = stat_ga[i];
-        stat_ga[i] = gz * chain.a;
-        stat_z[i] = gz * chain.b;
+            math::KeyGradient(cta.z[i], cta.r[i], cta.scale, args.dim, args.rmsnorm);
+        const Acc gz = cta.ga[i];
+        cta.ga[i] = gz * chain.a;
+        cta.z[i] = gz * chain.b;
       }
       __syncthreads();
       // Pass 2: d-major; every thread owns the same columns of u_row for every token.
@@ -211,15 +201,15 @@ __global__ void __launch_bounds__(kGenericThreads)
         const Acc g = LoadAcc<T>(args.grad_out, grad_row + d);
         const Acc wg = WeightTimesGamma<T>(args, d);
         Acc u = 0;
-        for (int i = 0; i < L; ++i) {
+        for (int i = 0; i < cta.L; ++i) {
           void* dst = args.grads.Get(i);
           if (dst == nullptr && u_row == nullptr) continue;
           const Acc v = LoadAcc<T>(args.sources.Get(i), row + d);
           if (dst != nullptr) {
             StoreAcc<T>(dst, token * args.strides.grad_source + d,
-                        stat_alpha[i] * g + stat_ga[i] * wg + stat_z[i] * v);
+                        cta.alpha[i] * g + cta.ga[i] * wg + cta.z[i] * v);
           }
-          u += stat_ga[i] * v;
+          u += cta.ga[i] * v;
         }
         if (u_row != nullptr) u_row[d] = j == 0 ? u : u_row[d] + u;
       }
@@ -227,6 +217,27 @@ __global__ void __launch_bounds__(kGenericThreads)
     }
   }
 }
+
+// The launch template of both directions: the shared setup, then
+// GenericForward or GenericBackward.
+template <typename T, bool kBackward>
+__global__ void __launch_bounds__(kGenericThreads)
+    GenericKernel(const __grid_constant__ GenericArgs args) {
+  using Acc = typename Traits<T>::Acc;
+  // BlockSum's cross-warp slots: 2 sums per source forward, 3 backward.
+  __shared__ Acc slots[kMaxWarpsPerCta][kBackward ? 3 : 2];
+  const GenericCta<Acc> cta(args);
+  if constexpr (kBackward) {
+    GenericBackward<T>(args, cta, slots);
+  } else {
+    GenericForward<T>(args, cta, slots);
+  }
+}
+
+template <typename T>
+constexpr auto GenericForwardKernel = GenericKernel<T, false>;
+template <typename T>
+constexpr auto GenericBackwardKernel = GenericKernel<T, true>;
 
 }  // namespace attnres::cuda
 

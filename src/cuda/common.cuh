@@ -63,6 +63,16 @@ struct RowStrides {
   int64_t grad_source;  // every source gradient: grad_blocks[i], grad_partial (phase 2: grad_o)
 };
 
+// Declares `name` as the launch's dynamic shared memory, an array of T aligned
+// to 16 bytes (the widest access any kernel makes into it). Under the CPU
+// emulator (tests/cuda_emulation/emu.h), which has no `extern __shared__`, it
+// is a pointer to the emulator's per-CTA buffer instead.
+#if defined(ATTNRES_CUDA_EMULATOR)
+#define ATTNRES_DYNAMIC_SHARED(T, name) T* const name = reinterpret_cast<T*>(emu::DynSmem())
+#else
+#define ATTNRES_DYNAMIC_SHARED(T, name) extern __shared__ __align__(16) T name[]
+#endif
+
 // ---------------------------------------------------------------------------
 // Storage types. Kernels address memory as raw bit patterns (`Bits`) and convert
 // to the accumulation type (`Acc`) in registers; bf16 -> fp32 is a shift.

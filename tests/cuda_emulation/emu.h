@@ -12,10 +12,11 @@
 //   - a thread that returns leaves the barriers (live counts drop), as on
 //     sm_70+ where exited threads do not block bar.sync;
 //   - `__shared__` becomes `static` (one CTA at a time, so one copy suffices);
-//     the build rewrites each `extern __shared__ T name[];` into a pointer into
-//     emu::dyn_smem, which is poisoned with 0xFF bytes (NaN as a float) before
-//     every CTA so that reads of unwritten shared memory show up, even where
-//     they are multiplied by zero;
+//     dynamic shared memory (common.cuh: ATTNRES_DYNAMIC_SHARED, defined for
+//     ATTNRES_CUDA_EMULATOR) is a pointer into emu::dyn_smem, which is
+//     poisoned with 0xFF bytes (NaN as a float) before every CTA so that reads
+//     of unwritten shared memory show up, even where they are multiplied by
+//     zero;
 //   - cache hints (__ldcg, __ldcs, __stcs) are plain loads and stores;
 //   - asynchronous copies (common.cuh: AsyncCopyChunk, AsyncCommit, AsyncWait,
 //     with ATTNRES_CUDA_EMULATOR defined) are queued per thread and performed
