@@ -57,7 +57,8 @@
 
 #include "cuda/block_attn_res_fused.cuh"
 #include "cuda/block_attn_res_generic.cuh"
-#include "cuda/two_phase_kernels.h"
+#include "cuda/phase1_kernel.cuh"
+#include "cuda/phase2_kernel.cuh"
 #include "ref/reference.h"
 #include "ref/two_phase_reference.h"
 
