@@ -25,10 +25,6 @@ if [[ ! -f "$CUDA_INCLUDE/cuda_runtime.h" ]]; then
   exit 2
 fi
 
-# Until the driver includes phase1_kernel.cuh and phase2_kernel.cuh itself.
-mkdir -p "$WORK/shim/cuda"
-printf '#include "cuda/phase1_kernel.cuh"\n#include "cuda/phase2_kernel.cuh"\n' > "$WORK/shim/cuda/two_phase_kernels.h"
-
 echo "cuda_emulate: building (g++ against $CUDA_INCLUDE) ..."
 start=$(date +%s)
 # The reference is built in the background while the driver compiles.
@@ -36,7 +32,7 @@ start=$(date +%s)
 ref1=$!
 "$CXX" -std=c++17 -O2 -c -I"$ROOT/src" -I"$ROOT/include" "$ROOT/src/ref/two_phase_reference.cc" -o "$WORK/two_phase_reference.o" &
 ref2=$!
-if ! "$CXX" -std=c++17 -O2 -w -I"$CUDA_INCLUDE" -I"$ROOT/include" -I"$ROOT/src" -I"$WORK/shim" \
+if ! "$CXX" -std=c++17 -O2 -w -I"$CUDA_INCLUDE" -I"$ROOT/include" -I"$ROOT/src" \
     -I"$ROOT/tests/cuda_emulation" -include emu.h \
     -c "$ROOT/tests/cuda_emulation/driver.cc" -o "$WORK/driver.o"; then
   echo "cuda_emulate: build failed" >&2
