@@ -81,11 +81,62 @@ typedef enum attnres_device {
 } attnres_device;
 
 /*
- * The one parameter block of every call. Forward reads the "inputs" group and
- * writes `out` (and the caches when non-NULL); backward reads the inputs plus
- * `grad_out` (and the caches when non-NULL, recomputing them otherwise) and writes
- * the gradient group. Fill it with attnres_params_init() first: that sets the
- * defaults (scale 1, eps 1e-6, rmsnorm on) and NULL for every pointer.
+ * The one parameter block of every call. Fill it with attnres_params_init() first:
+ * that sets the defaults (scale 1, eps 1e-6, rmsnorm on) and NULL for every pointer.
+ *
+ * Which fields each entry point reads. Every call checks abi_version, dtype,
+ * device, num_tokens, dim, num_blocks, rmsnorm, scale and eps (and reads stream on
+ * CUDA); a field not listed for an entry point is neither checked nor read by it.
+ * "rows" are [num_tokens rows of dim] of the dtype at the stride named after
+ * them; A is the accumulation type (float; double for float64); "opt." marks a
+ * pointer that may be NULL (an output: not written; an input: as described).
+ *
+ *   attnres_forward, attnres_backward (L = num_blocks + (partial != NULL) >= 1)
+ *     in   blocks[num_blocks], partial (opt.)   rows, source_row_stride
+ *          proj_weight [dim], gamma (opt.) [dim] gamma is read only with rmsnorm
+ *     fwd  out                                  rows, out_row_stride
+ *          rms_cache (opt., only with rmsnorm), alpha_cache (opt.)
+ *                                               outputs [num_tokens, L] of A
+ *     bwd  grad_out                             rows, grad_out_row_stride
+ *          rms_cache, alpha_cache (opt.)        inputs, as the forward wrote them
+ *          grad_blocks (opt.; opt. entries), grad_partial (opt., only with partial)
+ *                                               rows, grad_source_row_stride
+ *          grad_proj_weight, grad_gamma (opt.)  [dim]; grad_gamma only with rmsnorm
+ *
+ *   attnres_phase1_forward, attnres_phase1_backward (num_blocks >= 1, S = num_queries)
+ *     in   blocks[num_blocks]                   rows, source_row_stride
+ *          partial                              must be NULL
+ *          num_queries                          S in [1, 2^40]
+ *          proj_weight [S, dim], gamma (opt.) [S, dim]   gamma read only with rmsnorm
+ *     fwd  query_outs[S]                        rows, out_row_stride
+ *          query_lses[S]                        [num_tokens] of A
+ *     bwd  grad_query_outs[S] (opt. entries: zero)   rows, grad_out_row_stride
+ *          grad_query_lses (opt.; opt. entries: zero)  [num_tokens] of A
+ *          accumulate_grads                     1: grad_blocks are added into
+ *          grad_blocks (opt.; opt. entries)     rows, grad_source_row_stride
+ *          grad_proj_weight, grad_gamma (opt.)  [S, dim]; grad_gamma only with rmsnorm
+ *          (query_outs and query_lses are not read: the backward recomputes them)
+ *
+ *   attnres_phase2_forward, attnres_phase2_backward (num_blocks must be 0)
+ *     in   query_out                            rows (phase 1's o_s), source_row_stride
+ *          partial (opt.)                       rows, source_row_stride (NULL: h = o)
+ *          query_lse                            [num_tokens] of A; needed with partial
+ *          proj_weight [dim], gamma (opt.) [dim]   proj_weight required; both read
+ *                                               only with partial, gamma only with
+ *                                               rmsnorm (scale and eps: with partial)
+ *          input_norm, norm_eps, norm_weight (opt. [dim], only with input_norm)
+ *     fwd  out                                  rows, out_row_stride
+ *          partial_update (opt., needs partial) rows, source_row_stride
+ *          new_partial (with partial_update)    rows, out_row_stride
+ *     bwd  partial                              the forward's new_partial when it
+ *                                               fused an update; partial_update must be NULL
+ *          grad_out                             rows, grad_out_row_stride
+ *          grad_partial_in (opt., needs grad_partial)   rows, grad_out_row_stride
+ *          grad_query_out, grad_partial (opt.; grad_partial only with partial)
+ *                                               rows, grad_source_row_stride
+ *          grad_query_lse (opt.)                [num_tokens] of A
+ *          grad_proj_weight, grad_gamma, grad_norm_weight (opt.)   [dim]; grad_gamma only
+ *                                               with rmsnorm, grad_norm_weight with input_norm
  */
 typedef struct attnres_params {
   int32_t abi_version;  /* ATTNRES_ABI_VERSION, set by attnres_params_init */
@@ -104,8 +155,8 @@ typedef struct attnres_params {
   const void* const* blocks; /* N pointers to [num_tokens rows of dim] */
   const void* partial;       /* optional partial block, same layout, or NULL */
   int64_t source_row_stride; /* row stride of every block and of partial */
-  const void* proj_weight;   /* w, [dim] */
-  const void* gamma;         /* RMSNorm weight [dim]; NULL means all ones */
+  const void* proj_weight;   /* w, [dim] (phase 1: [num_queries, dim]) */
+  const void* gamma;         /* RMSNorm weight, like proj_weight; NULL means all ones */
   double scale;              /* finite */
   double eps;                /* >= 0 and finite */
   int32_t rmsnorm;           /* 1: normalise keys with RMSNorm, 0: keys are raw sources */
@@ -128,8 +179,8 @@ typedef struct attnres_params {
 
   /* The two-phase schedule (ABI 2; docs/DESIGN.md, "The two phases"). Phase 1 mixes
    * the N completed blocks for S queries at once; phase 2 merges one query's result
-   * with the partial block. Both read blocks/partial/proj_weight/gamma/scale/eps/
-   * rmsnorm above; the single op ignores these fields. */
+   * with the partial block. Which of the fields above each phase reads, and how: the
+   * table before this struct. The single op ignores the fields below. */
   int64_t num_queries;                /* S >= 1 (phase 1): proj_weight and gamma are [S, dim] */
   void* const* query_outs;            /* phase 1 forward: S pointers, o_s [rows of dim] (out_row_stride) */
   void* const* query_lses;            /* phase 1 forward: S pointers, lse_s [num_tokens] of the accumulation type */

@@ -89,6 +89,18 @@ attnres_params MakeParams(const Inputs<T>& in) {
   return p;
 }
 
+// The gradient buffers of the single op and of phase 1 (grads.blocks already
+// checked to hold N pointers or none).
+template <typename T>
+void SetGradients(attnres_params& p, const Gradients<T>& grads, int64_t dim) {
+  p.grad_blocks = grads.blocks.empty() ? nullptr
+                                       : reinterpret_cast<void* const*>(grads.blocks.data());
+  p.grad_partial = grads.partial;
+  p.grad_source_row_stride = grads.row_stride ? grads.row_stride : dim;
+  p.grad_proj_weight = grads.proj_weight;
+  p.grad_gamma = grads.gamma;
+}
+
 // Throws unless `v` holds `want` entries (or is empty when `may_be_empty`).
 template <typename V>
 void CheckCount(const char* function, const char* name, const V& v, size_t want,
@@ -122,12 +134,7 @@ void Backward(const Inputs<T>& in, const T* grad_out, const Gradients<T>& grads,
   p.grad_out_row_stride = in.dim;
   p.rms_cache = const_cast<Accum<T>*>(rms_cache);
   p.alpha_cache = const_cast<Accum<T>*>(alpha_cache);
-  p.grad_blocks = grads.blocks.empty() ? nullptr
-                                       : reinterpret_cast<void* const*>(grads.blocks.data());
-  p.grad_partial = grads.partial;
-  p.grad_source_row_stride = grads.row_stride ? grads.row_stride : in.dim;
-  p.grad_proj_weight = grads.proj_weight;
-  p.grad_gamma = grads.gamma;
+  SetGradients(p, grads, in.dim);
   Check(attnres_backward(&p));
 }
 
@@ -163,12 +170,7 @@ void Phase1Backward(const Inputs<T>& in, const std::vector<const T*>& grad_outs,
   p.grad_query_lses =
       grad_lses.empty() ? nullptr : reinterpret_cast<const void* const*>(grad_lses.data());
   p.accumulate_grads = accumulate ? 1 : 0;
-  p.grad_blocks = grads.blocks.empty() ? nullptr
-                                       : reinterpret_cast<void* const*>(grads.blocks.data());
-  p.grad_partial = grads.partial;
-  p.grad_source_row_stride = grads.row_stride ? grads.row_stride : in.dim;
-  p.grad_proj_weight = grads.proj_weight;
-  p.grad_gamma = grads.gamma;
+  SetGradients(p, grads, in.dim);
   Check(attnres_phase1_backward(&p));
 }
 

@@ -31,11 +31,10 @@ namespace {
 constexpr int64_t kMaxVectorBytes = 64;
 // Bytes of all sources' rows of one tile: pass 2 rereads them, so they should
 // still be in L1 or L2 then. The software prefetch keeps memory streaming even
-// with one row per source per tile: on a Xeon (2 MB L2), tiles of one token
-// (52 KB of rows at L = 17, D = 1536, bf16) ran the forward 1.3x faster than
-// 48 KB runs of every source (832 KB tiles), and larger budgets were never faster.
-// The backward keeps three tiles in L2 (block_attn_res.cc: BackwardPipeline) and ran 4%
-// faster with two tokens per tile there (128 KB; 256 KB was slower again).
+// with one row per source per tile, so a small tile loses nothing and keeps pass 2
+// in cache; larger budgets are no faster. The backward keeps three tiles in L2
+// (block_attn_res.cc: BackwardPipeline), and two tokens per tile suit it better
+// than one.
 constexpr int64_t kForwardTileSourceBytes = 64 * 1024;
 constexpr int64_t kBackwardTileSourceBytes = 128 * 1024;
 constexpr int64_t kMaxTileTokens = 64;
@@ -195,29 +194,16 @@ CallInfo CallProblem(const attnres_params& p) {
 
 // What the two-phase kernels read of the problem (kernel_table.h: PhaseInfo).
 PhaseInfo PhaseProblem(const attnres_params& p) {
-  PhaseInfo info{};
-  static_cast<RowsInfo&>(info) = RowsProblem(p);
-  info.num_blocks = p.num_blocks;
-  info.num_queries = p.num_queries;
-  info.norm_eps = p.norm_eps;
-  info.input_norm = p.input_norm != 0;
-  info.accumulate_grads = p.accumulate_grads != 0;
-  info.blocks = p.blocks;
-  info.query_outs = p.query_outs;
-  info.query_lses = p.query_lses;
-  info.grad_query_outs = p.grad_query_outs;
-  info.grad_query_lses = p.grad_query_lses;
-  info.grad_blocks = p.grad_blocks;
-  info.query_out = p.query_out;
-  info.query_lse = p.query_lse;
-  info.partial = p.partial;
-  info.grad_query_out = p.grad_query_out;
-  info.grad_query_lse = p.grad_query_lse;
-  info.grad_partial = p.grad_partial;
-  info.partial_update = p.partial_update;
-  info.new_partial = p.new_partial;
-  info.grad_partial_in = p.grad_partial_in;
-  return info;
+  return PhaseInfo{RowsProblem(p), p.num_blocks, p.num_queries, p.norm_eps, p.input_norm != 0,
+                   p.accumulate_grads != 0, /*stream_stores=*/false,
+                   // Phase 1.
+                   p.blocks, p.query_outs, p.query_lses, p.grad_query_outs, p.grad_query_lses,
+                   p.grad_blocks,
+                   // Phase 2, and its fused update.
+                   p.query_out, p.query_lse, p.partial, p.grad_query_out, p.grad_query_lse,
+                   p.grad_partial, p.partial_update, p.new_partial, p.grad_partial_in,
+                   // Prepared by CpuTwoPhase.
+                   /*norm_weight=*/nullptr};
 }
 
 // Everything one call needs besides the kernels: sources, wg, scratch.
@@ -240,10 +226,10 @@ class Call {
         std::clamp<int64_t>(tile_rows_per_source / info_.num_sources, 1, kMaxTileTokens);
     while (kChunkTokens % info_.tile_tokens != 0) --info_.tile_tokens;
     // Pass 1 reads x with wg, the backward with g too. The forward's 16-bit rows,
-    // two per call and bound by their widening, stay whole: in spans, bf16 D = 7168
-    // ran 2-4% slower (Xeon model 167), while fp32 D = 8192 ran 1.25x faster. (The
-    // backward's tile cycles through the g rows of all its tokens; counting them
-    // all made small rows span too: bf16 D = 512, L = 4 ran 1.25x as long.)
+    // two per call and bound by their widening rather than by L1, stay whole (in
+    // spans they are slower), while long fp32 rows gain from spans. (The backward
+    // counts one g row, not all of its tile's: those would make small rows span
+    // too, which is slower.)
     const int64_t elem = ElementBytes(dtype);
     info_.pass_one_span = backward    ? PassOneSpan(p_.dim, elem + 2 * acc_bytes_)
                           : elem == 2 ? p_.dim
@@ -392,9 +378,8 @@ attnres_status CpuBackward(const attnres_params& p) {
 
   if (weight_grads) {
     // U summed over chunks in chunk order; dw = gamma * U, dgamma = w * U. On the
-    // calling thread: at one token an OpenMP fork cost more than the sum, and the
-    // 64 chunks of 16K tokens at D = 1536 add up below perf's resolution next to
-    // the call.
+    // calling thread: at few tokens an OpenMP fork costs more than the sum, and at
+    // many the sum (at most one row per 256 tokens) is a negligible part of the call.
     const cpu::WeightGradFn grad = call.table().weight_grad[p.dtype];
     const int64_t padded = call.info().padded_dim;
     if (p.grad_proj_weight != nullptr) {
@@ -413,6 +398,89 @@ attnres_status CpuBackward(const attnres_params& p) {
 // The same scheme as the single op: tokens split into chunks whose size depends on
 // the problem only, per-chunk rows of weight-gradient partial sums added in chunk
 // order afterwards, so every output is bitwise identical for any thread count.
+namespace cpu {
+namespace {
+
+// Row s of a [S, dim] tensor of the dtype (the per-query weights and their gradients).
+const char* QueryRow(const void* v, int64_t s, const attnres_params& p) {
+  return static_cast<const char*>(v) + s * p.dim * ElementBytes(p.dtype);
+}
+char* QueryRow(void* v, int64_t s, const attnres_params& p) {
+  return static_cast<char*>(v) + s * p.dim * ElementBytes(p.dtype);
+}
+
+// The sizes of one two-phase call, and where its arena's parts start.
+struct PhasePlan {
+  int64_t S, N, padded, acc;
+  bool norm, has_gamma, weight_grads;
+  int64_t chunk_tokens, num_chunks;
+  int threads;
+  int64_t rows_bytes, scratch_bytes, partial_bytes;
+
+  PhasePlan(const attnres_params& p, int phase, bool backward)
+      : S(phase == 1 ? p.num_queries : 1), N(phase == 1 ? p.num_blocks : 0),
+        padded(PaddedDim(p.dim, p.dtype)), acc(AccumBytes(p.dtype)),
+        norm(phase == 2 && p.input_norm), has_gamma(p.rmsnorm && p.gamma != nullptr),
+        weight_grads(backward && (p.grad_proj_weight != nullptr || p.grad_gamma != nullptr ||
+                                  (phase == 2 && p.grad_norm_weight != nullptr))),
+        // Chunks of a few tokens even for small calls, so that both threads work on a
+        // decode-sized backward; at most 256 (the partial rows stay few and small).
+        chunk_tokens(std::clamp<int64_t>((p.num_tokens + 31) / 32, 4, 256)),
+        num_chunks((p.num_tokens + chunk_tokens - 1) / chunk_tokens),
+        threads(ThreadsFor(num_chunks)),
+        rows_bytes(Round64((S + (norm ? 1 : 0)) * padded * acc)),
+        scratch_bytes(Round64(PhaseScratchBytes(S, N, padded, acc))),
+        partial_bytes((weight_grads ? PhasePartialRows(phase, S) : 0) * padded * acc) {}
+
+  // The arena: the weight rows, each thread's scratch, each chunk's partial rows.
+  int64_t Bytes() const {
+    return rows_bytes + threads * scratch_bytes + num_chunks * partial_bytes;
+  }
+
+  static int64_t Round64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+};
+
+// The rows u_s = w_s * gamma_s at `rows`, then the input norm's weight (ones
+// without one).
+void PhaseWeightRows(const KernelTable& table, const attnres_params& p, const PhasePlan& plan,
+                     char* rows) {
+  const WeightRowFn weight_row = table.weight_row[p.dtype];
+  for (int64_t s = 0; s < plan.S; ++s) {
+    weight_row(QueryRow(p.proj_weight, s, p), plan.has_gamma ? QueryRow(p.gamma, s, p) : nullptr,
+               p.dim, plan.padded, rows + s * plan.padded * plan.acc);
+  }
+  if (plan.norm) {
+    weight_row(p.norm_weight, nullptr, p.dim, plan.padded, rows + plan.S * plan.padded * plan.acc);
+  }
+}
+
+// Row r of the partials summed in chunk order (chunks partial_bytes apart), times
+// a factor: dw_s = gamma_s * U_s, dgamma_s = w_s * U_s, the norm weight's U alone.
+// On the calling thread unless the partials pass 4 MB (then the queries are
+// split over threads): an OpenMP fork costs more than the sum of a small call.
+void PhaseWeightGrads(const KernelTable& table, const attnres_params& p, int phase,
+                      const PhasePlan& plan, const char* partials) {
+  const WeightGradFn weight_grad = table.weight_grad[p.dtype];
+  const auto grad = [&](int64_t r, const void* factor, void* out) {
+    weight_grad(partials + r * plan.padded * plan.acc, plan.num_chunks,
+                plan.partial_bytes / plan.acc, factor, out, p.dim);
+  };
+  const bool large = plan.num_chunks * plan.partial_bytes > (4 << 20);
+  ParallelFor(large ? ThreadsFor(plan.S) : 1, plan.S, [&](int, int64_t s) {
+    if (p.grad_proj_weight != nullptr) {
+      grad(s, plan.has_gamma ? QueryRow(p.gamma, s, p) : nullptr,
+           QueryRow(p.grad_proj_weight, s, p));
+    }
+    if (p.grad_gamma != nullptr) {
+      grad(s, QueryRow(p.proj_weight, s, p), QueryRow(p.grad_gamma, s, p));
+    }
+  });
+  if (phase == 2 && p.grad_norm_weight != nullptr) grad(1, nullptr, p.grad_norm_weight);
+}
+
+}  // namespace
+}  // namespace cpu
+
 attnres_status CpuTwoPhase(const attnres_params& p, int phase, bool backward) {
   using namespace cpu;
   const KernelTable& table = Table();
@@ -420,77 +488,32 @@ attnres_status CpuTwoPhase(const attnres_params& p, int phase, bool backward) {
   const PhaseRangeFn run =
       (phase == 1 ? (backward ? kernels.phase1_backward : kernels.phase1_forward)
                   : (backward ? kernels.phase2_backward : kernels.phase2_forward))[p.dtype];
-  const int32_t dtype = p.dtype;
-  const int64_t S = phase == 1 ? p.num_queries : 1, N = phase == 1 ? p.num_blocks : 0;
-  const int64_t dim = p.dim, padded = PaddedDim(dim, dtype), acc = AccumBytes(dtype);
-  const bool norm = phase == 2 && p.input_norm;
-  const bool has_gamma = p.rmsnorm && p.gamma != nullptr;
-  const bool weight_grads =
-      backward && (p.grad_proj_weight != nullptr || p.grad_gamma != nullptr ||
-                   (phase == 2 && p.grad_norm_weight != nullptr));
-  // Chunks of a few tokens even for small calls, so that both threads work on a
-  // decode-sized backward; at most 256 (the partial rows stay few and small).
-  const int64_t chunk_tokens = std::clamp<int64_t>((p.num_tokens + 31) / 32, 4, 256);
-  const int64_t num_chunks = (p.num_tokens + chunk_tokens - 1) / chunk_tokens;
-  const int threads = ThreadsFor(num_chunks);
-  const auto round64 = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
-  const int64_t rows_bytes = round64((S + (norm ? 1 : 0)) * padded * acc);
-  const int64_t scratch_bytes = round64(PhaseScratchBytes(S, N, padded, acc));
-  const int64_t partial_rows = weight_grads ? PhasePartialRows(phase, S) : 0;
-  const int64_t partial_bytes = partial_rows * padded * acc;
-  const int64_t bytes = rows_bytes + threads * scratch_bytes + num_chunks * partial_bytes;
-  char* base = static_cast<char*>(ThreadArena(bytes));
+  const PhasePlan plan(p, phase, backward);
+  char* base = static_cast<char*>(ThreadArena(plan.Bytes()));
   if (base == nullptr) {
     return Fail(ATTNRES_ERROR_OUT_OF_MEMORY,
-                "attnres: could not allocate " + std::to_string(bytes) + " bytes of scratch");
+                "attnres: could not allocate " + std::to_string(plan.Bytes()) +
+                    " bytes of scratch");
   }
-  const int64_t elem = ElementBytes(dtype);
-  // Row s of a [S, dim] tensor of the dtype (the per-query weights and their gradients).
-  const auto query = [&](const void* v, int64_t s) {
-    return static_cast<const char*>(v) + s * dim * elem;
-  };
-  const auto query_out = [&](void* v, int64_t s) { return static_cast<char*>(v) + s * dim * elem; };
-  const WeightRowFn weight_row = table.weight_row[dtype];
-  for (int64_t s = 0; s < S; ++s) {  // u_s = w_s * gamma_s
-    weight_row(query(p.proj_weight, s), has_gamma ? query(p.gamma, s) : nullptr, dim, padded,
-               base + s * padded * acc);
-  }
-  if (norm) {  // the input norm's weight (ones without one)
-    weight_row(p.norm_weight, nullptr, dim, padded, base + S * padded * acc);
-  }
-  char* scratch = base + rows_bytes;
-  char* partials = scratch + threads * scratch_bytes;
-  std::memset(partials, 0, num_chunks * partial_bytes);
+  PhaseWeightRows(table, p, plan, base);
+  char* scratch = base + plan.rows_bytes;
+  char* partials = scratch + plan.threads * plan.scratch_bytes;
+  std::memset(partials, 0, plan.num_chunks * plan.partial_bytes);
   PhaseInfo info = PhaseProblem(p);
   // Phase 1 backward's block gradients when large (the forward's S query rows are
   // written with normal stores: two_phase.cc, GroupMix).
   info.stream_stores = phase == 1 && backward && !p.accumulate_grads &&
-                       N * p.num_tokens * dim * elem > kStreamStoreBytes;
-  info.padded_dim = padded;
+                       plan.N * p.num_tokens * p.dim * ElementBytes(p.dtype) > kStreamStoreBytes;
+  info.padded_dim = plan.padded;
   info.wg = base;
-  info.norm_weight = norm ? base + S * padded * acc : nullptr;
-  ParallelFor(threads, num_chunks, [&](int thread, int64_t c) {
-    run(info, scratch + thread * scratch_bytes, weight_grads ? partials + c * partial_bytes : nullptr,
-        c * chunk_tokens, std::min((c + 1) * chunk_tokens, p.num_tokens));
+  info.norm_weight = plan.norm ? base + plan.S * plan.padded * plan.acc : nullptr;
+  const int64_t chunk_tokens = plan.chunk_tokens;
+  ParallelFor(plan.threads, plan.num_chunks, [&](int thread, int64_t c) {
+    run(info, scratch + thread * plan.scratch_bytes,
+        plan.weight_grads ? partials + c * plan.partial_bytes : nullptr, c * chunk_tokens,
+        std::min((c + 1) * chunk_tokens, p.num_tokens));
   });
-  if (!weight_grads) return ATTNRES_OK;
-
-  // Row r of the partials summed in chunk order (chunks partial_bytes apart), times
-  // a factor: dw_s = gamma_s * U_s, dgamma_s = w_s * U_s, the norm weight's U alone.
-  // On the calling thread unless the partials pass 4 MB (then the queries are
-  // split over threads): an OpenMP fork costs more than the sum of a small call.
-  const WeightGradFn weight_grad = table.weight_grad[dtype];
-  const auto grad = [&](int64_t r, const void* factor, void* out) {
-    weight_grad(partials + r * padded * acc, num_chunks, partial_bytes / acc, factor, out, dim);
-  };
-  const bool large = num_chunks * partial_bytes > (4 << 20);
-  ParallelFor(large ? ThreadsFor(S) : 1, S, [&](int, int64_t s) {
-    if (p.grad_proj_weight != nullptr) {
-      grad(s, has_gamma ? query(p.gamma, s) : nullptr, query_out(p.grad_proj_weight, s));
-    }
-    if (p.grad_gamma != nullptr) grad(s, query(p.proj_weight, s), query_out(p.grad_gamma, s));
-  });
-  if (phase == 2 && p.grad_norm_weight != nullptr) grad(1, nullptr, p.grad_norm_weight);
+  if (plan.weight_grads) PhaseWeightGrads(table, p, phase, plan, partials);
   return ATTNRES_OK;
 }
 

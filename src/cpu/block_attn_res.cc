@@ -22,7 +22,7 @@
 //                     and U += sum_i a_i v_i (dw = gamma U, dgamma = w U).
 //            Nothing but the outputs is stored: an accumulator row in memory would
 //            be read and written once per source (3x the source bytes in cache
-//            traffic), which is what limited the single-pass forward.
+//            traffic).
 // The backward overlaps the two: pass 1 of the next tile runs inside pass 2 of
 // this one (BackwardPipeline).
 #include <algorithm>
@@ -168,11 +168,10 @@ void ForwardTileImpl(const CallInfo& info, const Scratch& scratch, int64_t begin
 
   // Pass 1: the logits, row by row in source-major order (row r: source r / n,
   // token r % n), rows longer than info.pass_one_span a span at a time, every row's
-  // span in turn (the span of wg stays in L1: fp32 D = 8192 in whole rows ran 1.3x
-  // as long per byte as D = 4096). 16-bit rows go two per Dots call, sharing its
-  // loads of wg: their widening makes the one-row loop load- and shuffle-bound on a
-  // Zen 1 (pairs: forward 1.16x at 8192 tokens, 1 thread); fp32 rows, twice the
-  // bytes, were 5% slower in pairs there.
+  // span in turn (so that the span of wg stays in L1). 16-bit rows go two per Dots
+  // call, sharing its loads of wg: their widening makes the one-row loop load- and
+  // shuffle-bound; fp32 rows, twice the bytes, go one at a time (pairs are slower
+  // for them).
   const T* after_last = NextTileRow<T>(info, begin, end);
   const int64_t rows = L * n;
   const int64_t span = info.pass_one_span, spans = (dim + span - 1) / span;
@@ -343,18 +342,17 @@ class BackwardPipeline {
   // Where pass 1 of a tile is: span k of the row of source i, token j. The units
   // go row by row, source by source (all n tokens of source 0, then of source 1),
   // span by span; the position is carried from unit to unit rather than divided
-  // out of a unit count (three 64-bit divisions per unit were ~10% of the
-  // backward at D = 512).
+  // out of a unit count (three 64-bit divisions per unit are a visible share of a
+  // backward with short rows).
   struct PassOnePos {
     int64_t k = 0, i = 0, j = 0;
   };
 
   // Pass 1 of the unit at `at` (then `at` moves to the next unit): one span of one
   // row, so that every row reads the same span of wg and of its g row from L1
-  // (whole rows of fp32 at D >= 3584 overflowed it with x, wg and g: the backward
-  // ran 1.35x as long per byte as at D = 3072). The last span of a row ends its
-  // three dot products. The next row's same span is prefetched into L1 (the last
-  // row's own, a no-op), `ahead` (or null) into L2, over the same span.
+  // (whole long rows of x, wg and g together overflow it). The last span of a row
+  // ends its three dot products. The next row's same span is prefetched into L1
+  // (the last row's own, a no-op), `ahead` (or null) into L2, over the same span.
   void PassOneUnit(Tile& tile, PassOnePos& at, const T* ahead) {
     const int64_t i = at.i, j = at.j, r = i * tile.n + j;
     const int64_t d_begin = at.k * span_, d_end = std::min(d_begin + span_, dim_);

@@ -146,8 +146,8 @@ template <> struct Elem<Bf16> {
     std::memcpy(p, &packed, sizeof(packed));
 #elif defined(__AVX2__)
     // NaN lanes are rare: one compare of the pair tells whether any lane needs Bits'
-    // NaN select (a compare, an or and a blend per vector, a quarter of the
-    // backward's pass 2 on a Zen 1).
+    // NaN select (a compare, an or and a blend per vector, a large share of the
+    // backward's pass 2 if done always).
     const __m256 unordered = _mm256_cmp_ps(reinterpret_cast<__m256>(lo),
                                            reinterpret_cast<__m256>(hi), _CMP_UNORD_Q);
     if (__builtin_expect(_mm256_testz_ps(unordered, unordered), 1)) {
@@ -346,8 +346,7 @@ struct Row {
   // kLocality 3 asks for L1 (the row read next), 2 for L2 (rows read a tile later).
   // A row that does not start on a line has one line more than its spans ask for:
   // its last, which PrefetchRowEnd asks for. Left to a demand miss, that line
-  // stalled every row for a full memory latency (D = 1024 bf16 rows 16 bytes past
-  // a line, L = 33: the forward took 1.6x as long as with aligned rows).
+  // would stall every row for a full memory latency.
   static constexpr int64_t kLineElems = 64 / sizeof(T);
   template <int64_t kCount, int kLocality = 3>
   static void PrefetchSpan(const T* p) {
@@ -472,9 +471,8 @@ struct Row {
 
   // The rows the dispatcher prepares and finishes (kernel_table.h: WeightRowFn,
   // WeightGradFn), a pair at a time: Load2 and Store2 give the kernels' row order,
-  // so the vectors need no shuffles. Once per call (and query), so at one token of a
-  // wide model they were a large part of the call as scalar loops (1 token, D = 7168,
-  // bf16, Zen 1 EPYC: 14 of the forward's 37 us, half of the backward's 124 us). The
+  // so the vectors need no shuffles. Once per call (and query), but at one token of a
+  // wide model scalar loops here would be a large part of the call. The
   // arithmetic per element is that of the scalar loops: one product of two A, and
   // sums in row order from zero, so the bits do not depend on the vector width.
   static void WeightRow(const T* w, const T* gamma, int64_t dim, int64_t padded, A* row) {

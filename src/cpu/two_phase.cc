@@ -62,9 +62,9 @@ struct PhaseRow : Row<T> {
   // call with d_begin = 0 starts them from zero): pair q, dot(rows[q], x); pair Q,
   // sum(x^2) when kSumSq. `ahead` (or null) is asked into L2 at the same pace.
   // Whole pairs and the short pair that may end a row run in separate bodies: with
-  // one body for both, GCC kept the sums in a stack array, zeroed it with `rep stos`
-  // and copied it in and out on every call (a third of GroupDots' samples, which is
-  // called once per block and tile of 512 elements).
+  // one body for both, GCC keeps the sums in a stack array, zeroes it with `rep stos`
+  // and copies it in and out on every call (GroupDots is called once per block and
+  // tile of 512 elements).
   template <int Q, bool kSumSq>
   [[gnu::noinline]] static void GroupDots(const T* x, const T* ahead, const A* const* rows,
                                           int64_t d_begin, int64_t d_end, int64_t dim, A* sums) {
@@ -128,10 +128,9 @@ struct PhaseRow : Row<T> {
 
   // For the Q queries of a group: sum_i weights[q][i] v_i over the n rows `src`,
   // stored to the rows out[q] of T (kToA false) or added to the rows of A (kToA).
-  // Normal stores: non-temporal ones for phase 1's outputs matched them at S <= 6 on
-  // the Xeon (within 3-7%, either way) and ran 2.5x slower from S = 7 on, or when a
-  // token's outputs took more than one group (S = 7: 47 against 18 ms; S = 24: 144
-  // against 63 ms; 4096 tokens, D = 2304, N = 9, 2 threads).
+  // Normal stores: non-temporal ones for phase 1's outputs gain nothing at small S
+  // and are much slower from S = 7 on, or when a token's outputs take more than one
+  // group.
   template <int Q, bool kToA>
   [[gnu::noinline]] static void GroupMix(const T* const* src, int64_t n, const A* const* weights,
                                          void* const* out, int64_t dim) {
@@ -231,9 +230,9 @@ struct PhaseRow : Row<T> {
   // rows: 3 + 3 + 3, not 4 + 4 + 1: a group of one row loads twice as much per
   // multiply-add), skipping groups with no row wanted. Tiles of the rows outermost,
   // sized so that the tiles of the 2 * count rows g_s and u_s (24 KB) stay in L1 for
-  // every group: whole, those rows (110 KB at S = 6, D = 2304) came from L2 once per
-  // group (backward 41-43 -> 37.5-39 ms at that shape, 4096 tokens, 2 threads). At
-  // least 4 chunks per tile: at S = 24 the 2 chunks 24 KB allows were slower.
+  // every group: whole, those rows (110 KB at S = 6, D = 2304) would come from L2
+  // once per group. At least 4 chunks per tile: fewer (S = 24 allows 2 in 24 KB)
+  // are slower.
   template <bool kAccumulate, bool kStream>
   static void SourceGrads(T* const* dv, const T* const* v, const A* b, const A* g, const A* u,
                           int64_t padded, const A* alpha, const A* c, int64_t count, int64_t n,
@@ -315,7 +314,7 @@ void PrefetchLines(const T* const* rows, int64_t row_lines, int64_t row_bytes, i
 // Pass 1 of token t: r_i and z_{s,i} for every block i, with the backward's
 // dot(g_s, v_i) into dz when rows holds the g rows after the u rows (num_rows = 2S).
 // The rows of a group of queries (S rows of A: 55 KB at S = 6, D = 2304 fp32) do not
-// fit in L1 beside the blocks, and were read from L2 once per block row: so the
+// fit in L1 beside the blocks, and would be read from L2 once per block row: so the
 // blocks are read a tile of kTile elements at a time, every block's tile with the
 // group's tile of the rows from L1, each block's sums kept in `ws.sums` between
 // tiles (the same sums in the same order as whole rows). The first group also asks
@@ -343,8 +342,8 @@ void Phase1Logits(const PhaseInfo& info, int64_t t, int64_t end, int64_t num_row
   const int64_t row_lines = (row_bytes + 63) / 64 + (misaligned ? 1 : 0);
   const int64_t calls = (dim + kTile - 1) / kTile * N;
   // At most kMaxLinesPerCall requests per call, or none: asking for all of the next
-  // token's rows at S = 24, D = 7168 (43 lines per call, 344 KB) slowed the
-  // backward by 7% (the token's own rows, 1.5 MB, are in L2 too).
+  // token's rows when they are many (344 KB at S = 24, D = 7168) slows the backward
+  // (the token's own rows, 1.5 MB there, are in L2 too).
   constexpr int64_t kMaxLinesPerCall = 16;
   const int64_t later_lines = S * row_lines;
   if (later_lines > kMaxLinesPerCall * calls) later = nullptr;
@@ -445,8 +444,8 @@ void Phase1Backward(const PhaseInfo& info, void* scratch, void* partials, int64_
       } else {
         std::memset(ws.g + s * padded, 0, padded * sizeof(A));
       }
-      // Read from memory without a request ahead, these rows had cost ~12% of the
-      // backward (4096 tokens, D = 2304, N = 9, S = 6, Xeon).
+      // Asked for a token ahead (Phase1Logits): read from memory on demand, these
+      // rows would stall the backward.
       ws.later[s] = t + 1 < end ? grad_row(s, t + 1) : nullptr;
     }
     Phase1Logits<T>(info, t, end, 2 * S, ws.later, ws);
@@ -578,100 +577,127 @@ void Phase2Forward(const PhaseInfo& info, void*, void*, int64_t begin, int64_t e
 // dbeta = (dot(g nw, o - p) - dot(h, o - p) dot(g nw, h') / (dim r_h)) / r_h; then
 // every output row, reading each input row once.
 template <typename T>
-void Phase2Backward(const PhaseInfo& info, void*, void* partials, int64_t begin, int64_t end) {
+class Phase2Grads {
   using R = Row<T>;
   using A = typename R::A;
   using V = typename R::V;
-  const int64_t dim = info.dim, kLanes = R::kLanes, padded = info.padded_dim;
-  const bool norm = info.input_norm != 0;
-  const A* nw = static_cast<const A*>(info.norm_weight);
-  const A* wg = static_cast<const A*>(info.wg);
-  A* u_sum = partials != nullptr ? static_cast<A*>(partials) : nullptr;
-  A* nw_sum = partials != nullptr && norm ? static_cast<A*>(partials) + padded : nullptr;
-  // g, or g * norm_weight with the input norm, over the pair at d.
-  const auto load_g = [&](const T* g, int64_t d, V& lo, V& hi) ATTNRES_INLINE {
-    R::Load2(g + d, dim - d, lo, hi);
-    if (!norm) return;
-    lo = lo * R::LoadA(nw + d);
-    hi = hi * R::LoadA(nw + d + kLanes);
-  };
-  for (int64_t t = begin; t < end; ++t) {
-    const MergeToken<T> tok(info, t);
+  static constexpr int64_t kLanes = R::kLanes;
+
+ public:
+  Phase2Grads(const PhaseInfo& info, void* partials)
+      : info_(info), dim_(info.dim), norm_(info.input_norm != 0),
+        nw_(static_cast<const A*>(info.norm_weight)), wg_(static_cast<const A*>(info.wg)),
+        u_sum_(partials != nullptr ? static_cast<A*>(partials) : nullptr),
+        nw_sum_(partials != nullptr && norm_ ? static_cast<A*>(partials) + info.padded_dim
+                                             : nullptr) {}
+
+  // Every output of token t.
+  ATTNRES_INLINE void Token(int64_t t) const {
+    const MergeToken<T> tok(info_, t);
     const bool merge = tok.p != nullptr;
-    const T* g = RowOf<T>(info.grad_out, t, info.grad_out_row_stride);
-    const T* g_in = info.grad_partial_in != nullptr
-                        ? RowOf<T>(info.grad_partial_in, t, info.grad_out_row_stride)
+    const T* g = RowOf<T>(info_.grad_out, t, info_.grad_out_row_stride);
+    const T* g_in = info_.grad_partial_in != nullptr
+                        ? RowOf<T>(info_.grad_partial_in, t, info_.grad_out_row_stride)
                         : nullptr;
-    // Sums over the row (gn = g nw, or g): h^2, gn h, gn (o - p), h (o - p).
+    const Scalars sc = TokenScalars(tok, g);
+    const A beta = tok.beta;
+    const A dlse = sc.dbeta * (beta * tok.keep);
+    if (info_.grad_query_lse != nullptr) static_cast<A*>(info_.grad_query_lse)[t] = dlse;
+
+    T* grad_o = info_.grad_query_out != nullptr
+                    ? static_cast<T*>(info_.grad_query_out) + t * info_.grad_source_row_stride
+                    : nullptr;
+    T* grad_p = merge && info_.grad_partial != nullptr
+                    ? static_cast<T*>(info_.grad_partial) + t * info_.grad_source_row_stride
+                    : nullptr;
+    A* u = merge ? u_sum_ : nullptr;
+    if (grad_o == nullptr && grad_p == nullptr && u == nullptr && nw_sum_ == nullptr) return;
+    const math::KeyChain<A> chain =
+        merge ? math::KeyGradient(tok.z, tok.r, static_cast<A>(info_.scale), dim_,
+                                  info_.rmsnorm != 0)
+              : math::KeyChain<A>{0, 0};
+    WriteRows(tok, g, g_in, grad_o, grad_p, u, sc, beta, dlse, chain);
+  }
+
+ private:
+  // What the row sums fix: 1 / r_h, k = dot(gn, h) / (dim r_h^2) (1 and 0 without
+  // the norm), and dbeta.
+  struct Scalars {
+    A inv_r, k, dbeta;
+  };
+
+  // g, or g * norm_weight with the input norm, over the pair at d.
+  ATTNRES_INLINE void LoadG(const T* g, int64_t d, V& lo, V& hi) const {
+    R::Load2(g + d, dim_ - d, lo, hi);
+    if (!norm_) return;
+    lo = lo * R::LoadA(nw_ + d);
+    hi = hi * R::LoadA(nw_ + d + kLanes);
+  }
+
+  // The second pass: sums over the row (gn = g nw, or g) of h^2, gn h, gn (o - p)
+  // and h (o - p), then the scalars they fix.
+  ATTNRES_INLINE Scalars TokenScalars(const MergeToken<T>& tok, const T* g) const {
+    const bool merge = tok.p != nullptr;
     V hh[2] = {}, gh[2] = {}, gd[2] = {}, hd[2] = {};
-    if (norm || merge) {
-      for (int64_t d = 0; d < dim; d += R::kPair) {
+    if (norm_ || merge) {
+      for (int64_t d = 0; d < dim_; d += R::kPair) {
         V h[2], gn[2];
-        tok.H(d, dim, h[0], h[1]);
-        load_g(g, d, gn[0], gn[1]);
+        tok.H(d, dim_, h[0], h[1]);
+        LoadG(g, d, gn[0], gn[1]);
         V diff[2] = {};
         if (merge) {
           V o[2], p[2];
-          R::Load2(tok.o + d, dim - d, o[0], o[1]);
-          R::Load2(tok.p + d, dim - d, p[0], p[1]);
+          R::Load2(tok.o + d, dim_ - d, o[0], o[1]);
+          R::Load2(tok.p + d, dim_ - d, p[0], p[1]);
           diff[0] = o[0] - p[0];
           diff[1] = o[1] - p[1];
         }
         for (int k = 0; k < 2; ++k) {
-          if (norm) {
+          if (norm_) {
             hh[k] += h[k] * h[k];
             gh[k] += gn[k] * h[k];
           }
           if (merge) {
             gd[k] += gn[k] * diff[k];
-            if (norm) hd[k] += h[k] * diff[k];
+            if (norm_) hd[k] += h[k] * diff[k];
           }
         }
       }
     }
-    // dh = (gn - h k) r with r = 1 / r_h and k = dot(gn, h) / (dim r_h^2); without the
-    // norm dh = g (r = 1, k = 0).
+    // dh = (gn - h k) r with r = 1 / r_h; without the norm dh = g (r = 1, k = 0).
     A inv_r = 1, k = 0;
-    if (norm) {
-      inv_r = A(1) / math::Rms(R::Sum(hh[0] + hh[1]), dim, static_cast<A>(info.norm_eps));
-      k = R::Sum(gh[0] + gh[1]) * inv_r * inv_r / static_cast<A>(dim);
+    if (norm_) {
+      inv_r = A(1) / math::Rms(R::Sum(hh[0] + hh[1]), dim_, static_cast<A>(info_.norm_eps));
+      k = R::Sum(gh[0] + gh[1]) * inv_r * inv_r / static_cast<A>(dim_);
     }
-    const A beta = tok.beta;
     const A dbeta = merge ? (R::Sum(gd[0] + gd[1]) - k * R::Sum(hd[0] + hd[1])) * inv_r : A(0);
-    const A dlse = dbeta * (beta * tok.keep);
-    if (info.grad_query_lse != nullptr) static_cast<A*>(info.grad_query_lse)[t] = dlse;
+    return Scalars{inv_r, k, dbeta};
+  }
 
-    T* grad_o = info.grad_query_out != nullptr
-                    ? static_cast<T*>(info.grad_query_out) + t * info.grad_source_row_stride
-                    : nullptr;
-    T* grad_p = merge && info.grad_partial != nullptr
-                    ? static_cast<T*>(info.grad_partial) + t * info.grad_source_row_stride
-                    : nullptr;
-    A* u = merge ? u_sum : nullptr;
-    if (grad_o == nullptr && grad_p == nullptr && u == nullptr && nw_sum == nullptr) continue;
-    const math::KeyChain<A> chain =
-        merge ? math::KeyGradient(tok.z, tok.r, static_cast<A>(info.scale), dim, info.rmsnorm != 0)
-              : math::KeyChain<A>{0, 0};
-    const V vr = R::Splat(inv_r), vk = R::Splat(k), vbeta = R::Splat(beta);
+  // The third pass: every output row, reading each input row once.
+  ATTNRES_INLINE void WriteRows(const MergeToken<T>& tok, const T* g, const T* g_in, T* grad_o,
+                                T* grad_p, A* u, const Scalars& sc, A beta, A dlse,
+                                const math::KeyChain<A>& chain) const {
+    const V vr = R::Splat(sc.inv_r), vk = R::Splat(sc.k), vbeta = R::Splat(beta);
     const V vkeep = R::Splat(tok.keep);
     const V vc = R::Splat(-dlse * chain.a), vb = R::Splat(-dlse * chain.b);
-    for (int64_t d = 0; d < dim; d += R::kPair) {
+    for (int64_t d = 0; d < dim_; d += R::kPair) {
       V h[2] = {}, dh[2];
-      if (norm) tok.H(d, dim, h[0], h[1]);
-      load_g(g, d, dh[0], dh[1]);
-      if (norm) {
+      if (norm_) tok.H(d, dim_, h[0], h[1]);
+      LoadG(g, d, dh[0], dh[1]);
+      if (norm_) {
         for (int j = 0; j < 2; ++j) dh[j] = (dh[j] - h[j] * vk) * vr;
       }
-      if (grad_o != nullptr) R::Store2(grad_o + d, vbeta * dh[0], vbeta * dh[1], dim - d);
-      if (nw_sum != nullptr) {  // dnorm_weight += g h / r_h
+      if (grad_o != nullptr) R::Store2(grad_o + d, vbeta * dh[0], vbeta * dh[1], dim_ - d);
+      if (nw_sum_ != nullptr) {  // dnorm_weight += g h / r_h
         V g_lo, g_hi;
-        R::Load2(g + d, dim - d, g_lo, g_hi);
-        R::StoreA(nw_sum + d, R::LoadA(nw_sum + d) + g_lo * h[0] * vr);
-        R::StoreA(nw_sum + d + kLanes, R::LoadA(nw_sum + d + kLanes) + g_hi * h[1] * vr);
+        R::Load2(g + d, dim_ - d, g_lo, g_hi);
+        R::StoreA(nw_sum_ + d, R::LoadA(nw_sum_ + d) + g_lo * h[0] * vr);
+        R::StoreA(nw_sum_ + d + kLanes, R::LoadA(nw_sum_ + d + kLanes) + g_hi * h[1] * vr);
       }
       if (grad_p == nullptr && u == nullptr) continue;
       V p[2];
-      R::Load2(tok.p + d, dim - d, p[0], p[1]);
+      R::Load2(tok.p + d, dim_ - d, p[0], p[1]);
       if (u != nullptr) {
         R::StoreA(u + d, R::LoadA(u + d) + vc * p[0]);
         R::StoreA(u + d + kLanes, R::LoadA(u + d + kLanes) + vc * p[1]);
@@ -679,17 +705,31 @@ void Phase2Backward(const PhaseInfo& info, void*, void* partials, int64_t begin,
       if (grad_p == nullptr) continue;
       V dp[2];
       for (int j = 0; j < 2; ++j) {
-        dp[j] = vkeep * dh[j] + vc * R::LoadA(wg + d + j * kLanes) + vb * p[j];
+        dp[j] = vkeep * dh[j] + vc * R::LoadA(wg_ + d + j * kLanes) + vb * p[j];
       }
       if (g_in != nullptr) {
         V in_lo, in_hi;
-        R::Load2(g_in + d, dim - d, in_lo, in_hi);
+        R::Load2(g_in + d, dim_ - d, in_lo, in_hi);
         dp[0] += in_lo;
         dp[1] += in_hi;
       }
-      R::Store2(grad_p + d, dp[0], dp[1], dim - d);
+      R::Store2(grad_p + d, dp[0], dp[1], dim_ - d);
     }
   }
+
+  const PhaseInfo& info_;
+  const int64_t dim_;
+  const bool norm_;
+  const A* nw_;
+  const A* wg_;
+  A* u_sum_;   // U, or null
+  A* nw_sum_;  // the norm weight's sum, or null
+};
+
+template <typename T>
+void Phase2Backward(const PhaseInfo& info, void*, void* partials, int64_t begin, int64_t end) {
+  const Phase2Grads<T> grads(info, partials);
+  for (int64_t t = begin; t < end; ++t) grads.Token(t);
 }
 
 }  // namespace
