@@ -1,22 +1,20 @@
 // The two-phase schedule through the C ABI (attnres_phase1_* / attnres_phase2_*),
-// held to SPEC §5 and §3 against the float64 reference in src/ref/two_phase_reference.h:
-// every dtype, odd dims, padded row strides (padding of inputs is NaN, padding of
-// outputs must stay untouched), determinism across thread counts and CPU variants,
-// accumulate_grads, and every validation rule of the header (status, a message that
-// names the argument, nothing written).
+// held to SPEC §5 and §3 against the float64 reference in src/ref/two_phase_reference.h
+// on every backend (phase_problems.h): every dtype, odd dims, padded row strides
+// (padding of inputs is NaN, padding of outputs must stay untouched), determinism
+// across thread counts and CPU variants, accumulate_grads, and every validation rule
+// of the header (status, a message that names the argument, nothing written).
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
-#include <limits>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "attnres/attnres.h"
+#include "phase_problems.h"
 #include "ref/harness.h"
 #include "ref/reference.h"
 #include "ref/two_phase_reference.h"
@@ -27,72 +25,6 @@ namespace {
 
 using attnres::ref::Phase1Problem;
 using attnres::ref::Phase2Problem;
-using Vec = std::vector<double>;
-using Vecs = std::vector<std::vector<double>>;
-
-// ---------------------------------------------------------------------------
-// Random values, representable in the dtype they will be stored in.
-
-class Rng {
- public:
-  explicit Rng(uint64_t seed) : gen_(seed) {}
-  Vec Normal(size_t n, double mean, double sd, attnres_dtype dtype) {
-    std::normal_distribution<double> dist(mean, sd);
-    Vec v(n);
-    for (double& x : v) x = RoundToDType(dist(gen_), dtype);
-    return v;
-  }
-  double Uniform(double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(gen_); }
-
- private:
-  std::mt19937_64 gen_;
-};
-
-// A [rows, dim] tensor with row stride `stride` in its own Buffer. Inputs are
-// created with NaN padding (stray reads poison results), outputs with the sentinel.
-class Rows {
- public:
-  Rows() = default;
-  Rows(attnres_dtype dtype, int64_t rows, int64_t dim, int64_t stride, uint8_t fill)
-      : rows_(rows), dim_(dim), stride_(stride),
-        buf_(dtype, StridedCount(rows, dim, stride), fill) {}
-
-  void Write(const Vec& v) {
-    for (int64_t t = 0; t < rows_; ++t)
-      for (int64_t d = 0; d < dim_; ++d) buf_.Set(t * stride_ + d, v[t * dim_ + d]);
-  }
-  Vec Read() const {
-    Vec v(rows_ * dim_);
-    for (int64_t t = 0; t < rows_; ++t)
-      for (int64_t d = 0; d < dim_; ++d) v[t * dim_ + d] = buf_.Get(t * stride_ + d);
-    return v;
-  }
-  // The padding between rows and the guard still hold `pattern`.
-  bool OutsideIs(uint8_t pattern) const {
-    for (int64_t t = 0; t + 1 < rows_; ++t) {
-      if (!buf_.BytesAre(t * stride_ + dim_, stride_ - dim_, pattern)) return false;
-    }
-    return buf_.GuardIntact(pattern);
-  }
-  void Fill(uint8_t pattern) { buf_.Fill(pattern); }
-  void* data() { return buf_.data(); }
-  const void* data() const { return buf_.data(); }
-  const Buffer& buffer() const { return buf_; }
-
- private:
-  int64_t rows_ = 0, dim_ = 0, stride_ = 0;
-  Buffer buf_;
-};
-
-std::vector<unsigned char> Bytes(const Buffer& b) {
-  return std::vector<unsigned char>(b.bytes(), b.bytes() + b.total_bytes());
-}
-
-Vec Add(const Vec& a, const Vec& b) {
-  Vec r(a.size());
-  for (size_t i = 0; i < a.size(); ++i) r[i] = a[i] + b[i];
-  return r;
-}
 
 class ThreadsAndIsaGuard {
  public:
@@ -102,434 +34,6 @@ class ThreadsAndIsaGuard {
   }
 };
 
-// ---------------------------------------------------------------------------
-// Phase 1 through the ABI.
-
-struct Phase1Case {
-  int64_t tokens = 5, dim = 8, blocks = 3, queries = 2;
-  bool rmsnorm = true, gamma = true;
-  double scale = 1.0, eps = 1e-6;
-  attnres_dtype dtype = ATTNRES_DTYPE_FLOAT32;
-  int64_t source_pad = 0, out_pad = 0, grad_out_pad = 0, grad_source_pad = 0;
-  std::vector<int> null_grad_outs;   // queries whose grad_query_outs entry is NULL
-  std::vector<int> null_grad_lses;   // queries whose grad_query_lses entry is NULL
-  bool grad_lses_array_null = false; // grad_query_lses itself NULL
-  uint64_t seed = 1;
-
-  std::string Describe() const {
-    std::ostringstream s;
-    s << DTypeName(dtype) << " tokens=" << tokens << " dim=" << dim << " N=" << blocks
-      << " S=" << queries << " rmsnorm=" << rmsnorm << " gamma=" << gamma << " scale=" << scale
-      << " eps=" << eps << " pads=" << source_pad << "/" << out_pad << "/" << grad_out_pad << "/"
-      << grad_source_pad;
-    return s.str();
-  }
-};
-
-bool Contains(const std::vector<int>& v, int x) {
-  return std::find(v.begin(), v.end(), x) != v.end();
-}
-
-class Phase1Abi {
- public:
-  explicit Phase1Abi(const Phase1Case& c) : c_(c) {
-    Rng rng(c.seed);
-    const attnres_dtype dt = c.dtype, acc = CacheDType(dt);
-    const int64_t T = c.tokens, D = c.dim, N = c.blocks, S = c.queries;
-    ref.tokens = T;
-    ref.dim = D;
-    ref.num_queries = S;
-    ref.rmsnorm = c.rmsnorm;
-    ref.scale = c.scale;
-    ref.eps = c.eps;
-    for (int64_t i = 0; i < N; ++i) ref.blocks.push_back(rng.Normal(T * D, 0, rng.Uniform(0.5, 2), dt));
-    ref.w = rng.Normal(S * D, 0, 1 / std::sqrt(double(D)), dt);
-    gamma_values_ = c.gamma ? rng.Normal(S * D, 1, 0.2, dt) : Vec();
-    // The reference ignores gamma without rmsnorm (SPEC §1: keys are the raw sources).
-    ref.gamma = gamma_values_;
-    for (int64_t s = 0; s < S; ++s) {
-      grad_outs.push_back(Contains(c.null_grad_outs, s) ? Vec() : rng.Normal(T * D, 0, 1, dt));
-      grad_lses.push_back(c.grad_lses_array_null || Contains(c.null_grad_lses, s)
-                              ? Vec() : rng.Normal(T, 0, 1, acc));
-    }
-
-    const int64_t ss = D + c.source_pad;
-    for (int64_t i = 0; i < N; ++i) {
-      blocks_.emplace_back(dt, T, D, ss, kInputPadding);
-      blocks_.back().Write(ref.blocks[i]);
-    }
-    for (auto& b : blocks_) block_ptrs_.push_back(b.data());
-    w_ = InputBuffer(dt, ref.w);
-    if (c.gamma) gamma_ = InputBuffer(dt, gamma_values_);
-    for (int64_t s = 0; s < S; ++s) {
-      outs_.emplace_back(dt, T, D, D + c.out_pad, kOutputSentinel);
-      lses_.emplace_back(acc, T, kOutputSentinel);
-      if (grad_outs[s].empty()) {
-        gouts_.emplace_back();
-      } else {
-        gouts_.emplace_back(dt, T, D, D + c.grad_out_pad, kInputPadding);
-        gouts_.back().Write(grad_outs[s]);
-      }
-      glses_.push_back(grad_lses[s].empty() ? Buffer() : InputBuffer(acc, grad_lses[s]));
-    }
-    for (int64_t s = 0; s < S; ++s) {
-      out_ptrs_.push_back(outs_[s].data());
-      lse_ptrs_.push_back(lses_[s].data());
-      gout_ptrs_.push_back(grad_outs[s].empty() ? nullptr : gouts_[s].data());
-      glse_ptrs_.push_back(grad_lses[s].empty() ? nullptr : glses_[s].data());
-    }
-    for (int64_t i = 0; i < N; ++i) gblocks_.emplace_back(dt, T, D, D + c.grad_source_pad, kOutputSentinel);
-    for (auto& g : gblocks_) gblock_ptrs_.push_back(g.data());
-    gw_ = Buffer(dt, S * D, kOutputSentinel);
-    ggamma_ = Buffer(dt, S * D, kOutputSentinel);
-  }
-
-  attnres_params Inputs() const {
-    attnres_params p;
-    attnres_params_init(&p);
-    p.num_tokens = c_.tokens;
-    p.dim = c_.dim;
-    p.num_blocks = c_.blocks;
-    p.dtype = c_.dtype;
-    p.blocks = block_ptrs_.data();
-    p.source_row_stride = c_.dim + c_.source_pad;
-    p.proj_weight = w_.data();
-    p.gamma = c_.gamma ? gamma_.data() : nullptr;
-    p.scale = c_.scale;
-    p.eps = c_.eps;
-    p.rmsnorm = c_.rmsnorm ? 1 : 0;
-    p.num_queries = c_.queries;
-    return p;
-  }
-
-  struct Forward {
-    attnres_status status;
-    std::string error, layout;
-    Vecs outs, lses;
-  };
-  Forward RunForward() {
-    for (auto& o : outs_) o.Fill(kOutputSentinel);
-    for (auto& l : lses_) l.Fill(kOutputSentinel);
-    attnres_params p = Inputs();
-    p.query_outs = out_ptrs_.data();
-    p.out_row_stride = c_.dim + c_.out_pad;
-    p.query_lses = lse_ptrs_.data();
-    const auto before = InputBytes();
-    Forward f;
-    f.status = attnres_phase1_forward(&p);
-    f.error = f.status == ATTNRES_OK ? "" : attnres_last_error();
-    for (int64_t s = 0; s < c_.queries; ++s) {
-      f.outs.push_back(outs_[s].Read());
-      f.lses.push_back(Values(lses_[s]));
-      if (!outs_[s].OutsideIs(kOutputSentinel)) f.layout += "query_outs[" + std::to_string(s) + "] padding/guard written; ";
-      if (!lses_[s].GuardIntact(kOutputSentinel)) f.layout += "query_lses[" + std::to_string(s) + "] guard written; ";
-    }
-    if (InputBytes() != before) f.layout += "an input was modified; ";
-    return f;
-  }
-
-  struct Backward {
-    attnres_status status;
-    std::string error, layout;
-    Vecs grad_blocks;  // N, empty where the pointer was NULL
-    Vec grad_w, grad_gamma;
-  };
-  // initial: when non-empty, grad_blocks hold these values before the call (accumulate).
-  Backward RunBackward(bool accumulate = false, const Vecs& initial = {},
-                       const std::vector<int>& null_blocks = {}, bool skip_w = false,
-                       bool skip_gamma = false, bool grad_blocks_null = false) {
-    for (size_t i = 0; i < gblocks_.size(); ++i) {
-      gblocks_[i].Fill(kOutputSentinel);
-      if (!initial.empty() && !Contains(null_blocks, static_cast<int>(i))) gblocks_[i].Write(initial[i]);
-    }
-    gw_.Fill(kOutputSentinel);
-    ggamma_.Fill(kOutputSentinel);
-    std::vector<void*> gptrs = gblock_ptrs_;
-    std::vector<int> skipped_blocks = null_blocks;
-    if (grad_blocks_null) {
-      for (int i = 0; i < static_cast<int>(gptrs.size()); ++i) skipped_blocks.push_back(i);
-    }
-    for (int i : skipped_blocks) gptrs[i] = nullptr;
-    attnres_params p = Inputs();
-    p.grad_query_outs = gout_ptrs_.data();
-    p.grad_out_row_stride = c_.dim + c_.grad_out_pad;
-    p.grad_query_lses = c_.grad_lses_array_null ? nullptr : glse_ptrs_.data();
-    p.grad_blocks = grad_blocks_null ? nullptr : gptrs.data();
-    p.grad_source_row_stride = c_.dim + c_.grad_source_pad;
-    p.grad_proj_weight = skip_w ? nullptr : gw_.data();
-    p.grad_gamma = skip_gamma || !c_.rmsnorm ? nullptr : ggamma_.data();
-    p.accumulate_grads = accumulate ? 1 : 0;
-    const auto before = InputBytes();
-    Backward b;
-    b.status = attnres_phase1_backward(&p);
-    b.error = b.status == ATTNRES_OK ? "" : attnres_last_error();
-    for (size_t i = 0; i < gblocks_.size(); ++i) {
-      const bool skipped = Contains(skipped_blocks, static_cast<int>(i));
-      b.grad_blocks.push_back(skipped ? Vec() : gblocks_[i].Read());
-      if (skipped && !gblocks_[i].buffer().BytesAre(0, gblocks_[i].buffer().count(), kOutputSentinel)) {
-        b.layout += "grad_blocks[" + std::to_string(i) + "] was NULL but its buffer was written; ";
-      }
-      if (!gblocks_[i].OutsideIs(kOutputSentinel)) b.layout += "grad_blocks[" + std::to_string(i) + "] padding/guard written; ";
-    }
-    if (!skip_w) b.grad_w = Values(gw_);
-    if (!skip_gamma && c_.rmsnorm) b.grad_gamma = Values(ggamma_);
-    if (!gw_.GuardIntact(kOutputSentinel) || !ggamma_.GuardIntact(kOutputSentinel)) b.layout += "dw/dgamma guard written; ";
-    if ((skip_gamma || !c_.rmsnorm) && !ggamma_.BytesAre(0, ggamma_.count(), kOutputSentinel)) b.layout += "grad_gamma written; ";
-    if (InputBytes() != before) b.layout += "an input was modified; ";
-    return b;
-  }
-
-  attnres::ref::Phase1Problem ref;
-  Vecs grad_outs, grad_lses;
-
- private:
-  std::vector<std::vector<unsigned char>> InputBytes() const {
-    std::vector<std::vector<unsigned char>> all;
-    for (const auto& b : blocks_) all.push_back(Bytes(b.buffer()));
-    for (const auto& g : gouts_) all.push_back(Bytes(g.buffer()));
-    for (const auto& g : glses_) all.push_back(Bytes(g));
-    all.push_back(Bytes(w_));
-    all.push_back(Bytes(gamma_));
-    return all;
-  }
-
-  Phase1Case c_;
-  Vec gamma_values_;
-  std::vector<Rows> blocks_;
-  std::vector<const void*> block_ptrs_;
-  Buffer w_, gamma_;
-  std::vector<Rows> outs_;
-  std::vector<Buffer> lses_;
-  std::vector<void*> out_ptrs_, lse_ptrs_;
-  std::vector<Rows> gouts_;
-  std::vector<Buffer> glses_;
-  std::vector<const void*> gout_ptrs_, glse_ptrs_;
-  std::vector<Rows> gblocks_;
-  std::vector<void*> gblock_ptrs_;
-  Buffer gw_, ggamma_;
-};
-
-// ---------------------------------------------------------------------------
-// Phase 2 through the ABI.
-
-struct Phase2Case {
-  int64_t tokens = 5, dim = 8;
-  bool partial = true, rmsnorm = true, gamma = true, input_norm = false, norm_weight = false;
-  // The fused partial-block update: the forward adds y into the partial block (writing
-  // new_partial), the backward reads p' and adds grad_partial_in into grad_partial.
-  bool update = false;
-  double scale = 1.0, eps = 1e-6, norm_eps = 1e-6;
-  attnres_dtype dtype = ATTNRES_DTYPE_FLOAT32;
-  int64_t source_pad = 0, out_pad = 0, grad_out_pad = 0, grad_source_pad = 0;
-  uint64_t seed = 1;
-  // Sharp depth attention (SPEC §3): when merge_gap != 0, lse = z_p + merge_gap per
-  // token (merge weights sigmoid(+-merge_gap)), the partial block partial_size
-  // times o in size.
-  double merge_gap = 0, partial_size = 1;
-
-  std::string Describe() const {
-    std::ostringstream s;
-    s << DTypeName(dtype) << " tokens=" << tokens << " dim=" << dim << " merge_gap=" << merge_gap
-      << " partial_size=" << partial_size << " partial=" << partial
-      << " rmsnorm=" << rmsnorm << " gamma=" << gamma << " input_norm=" << input_norm
-      << " norm_weight=" << norm_weight << " update=" << update << " scale=" << scale
-      << " eps=" << eps
-      << " norm_eps=" << norm_eps << " pads=" << source_pad << "/" << out_pad << "/"
-      << grad_out_pad << "/" << grad_source_pad;
-    return s.str();
-  }
-};
-
-class Phase2Abi {
- public:
-  explicit Phase2Abi(const Phase2Case& c) : c_(c) {
-    Rng rng(c.seed);
-    const attnres_dtype dt = c.dtype, acc = CacheDType(dt);
-    const int64_t T = c.tokens, D = c.dim;
-    ref.tokens = T;
-    ref.dim = D;
-    ref.has_partial = c.partial;
-    ref.rmsnorm = c.rmsnorm;
-    ref.input_norm = c.input_norm;
-    ref.scale = c.scale;
-    ref.eps = c.eps;
-    ref.norm_eps = c.norm_eps;
-    ref.out = rng.Normal(T * D, 0, 1, dt);
-    ref.lse = rng.Normal(T, 0.5, 1, acc);
-    ref.partial = c.partial ? rng.Normal(T * D, 0, 1.2 * c.partial_size, dt) : Vec();
-    ref.w = rng.Normal(D, 0, 1 / std::sqrt(double(D)), dt);
-    ref.gamma = c.gamma ? rng.Normal(D, 1, 0.2, dt) : Vec();
-    ref.norm_weight = c.norm_weight ? rng.Normal(D, 1, 0.2, dt) : Vec();
-    grad = rng.Normal(T * D, 0, 1, dt);
-    Vec previous = ref.partial, update;
-    if (c.update) {
-      // p' = partial + y as the kernels form it: one addition in the accumulation type
-      // (exact here in double, then rounded to float), rounded to the dtype; the
-      // reference then merges p'.
-      update = rng.Normal(T * D, 0, 0.8 * c.partial_size, dt);
-      for (int64_t k = 0; k < T * D; ++k) {
-        const double sum = previous[k] + update[k];
-        ref.partial[k] = RoundToDType(dt == ATTNRES_DTYPE_FLOAT64 ? sum : double(float(sum)), dt);
-      }
-      new_partial = ref.partial;
-      grad_partial_in = rng.Normal(T * D, 0, 1, dt);
-    }
-
-    const int64_t ss = D + c.source_pad;
-    qo_ = Rows(dt, T, D, ss, kInputPadding);
-    qo_.Write(ref.out);
-    if (c.partial) {
-      part_ = Rows(dt, T, D, ss, kInputPadding);
-      part_.Write(previous);
-    }
-    if (c.update) {
-      upd_ = Rows(dt, T, D, ss, kInputPadding);
-      upd_.Write(update);
-      updated_ = Rows(dt, T, D, ss, kInputPadding);  // p', the backward's partial
-      updated_.Write(new_partial);
-      gin_ = Rows(dt, T, D, D + c.grad_out_pad, kInputPadding);
-      gin_.Write(grad_partial_in);
-      np_ = Rows(dt, T, D, D + c.out_pad, kOutputSentinel);
-    }
-    if (c.merge_gap != 0 && c.partial) {
-      // Without RMSNorm, w / partial_size keeps z_p of order one (a logit of 1000 has
-      // an fp32 ulp of 6e-5: that would measure large logits, not sharp ones).
-      if (!c.rmsnorm) for (double& x : ref.w) x = RoundToDType(x / c.partial_size, dt);
-      for (int64_t t = 0; t < T; ++t) {  // z_p of the partial block that is merged
-        double dot = 0, sum_sq = 0;
-        for (int64_t d = 0; d < D; ++d) {
-          const double x = ref.partial[t * D + d];
-          dot += ref.w[d] * (c.rmsnorm && c.gamma ? ref.gamma[d] : 1.0) * x;
-          sum_sq += x * x;
-        }
-        const double z_p = c.scale * dot / (c.rmsnorm ? std::sqrt(sum_sq / D + c.eps) : 1.0);
-        ref.lse[t] = RoundToDType(z_p + c.merge_gap, acc);
-      }
-    }
-    lse_ = InputBuffer(acc, ref.lse);
-    w_ = InputBuffer(dt, ref.w);
-    if (c.gamma) gamma_ = InputBuffer(dt, ref.gamma);
-    if (c.norm_weight) nw_ = InputBuffer(dt, ref.norm_weight);
-    out_ = Rows(dt, T, D, D + c.out_pad, kOutputSentinel);
-    gout_ = Rows(dt, T, D, D + c.grad_out_pad, kInputPadding);
-    gout_.Write(grad);
-    gq_ = Rows(dt, T, D, D + c.grad_source_pad, kOutputSentinel);
-    gp_ = Rows(dt, T, D, D + c.grad_source_pad, kOutputSentinel);
-    glse_ = Buffer(acc, T, kOutputSentinel);
-    gw_ = Buffer(dt, D, kOutputSentinel);
-    gg_ = Buffer(dt, D, kOutputSentinel);
-    gnw_ = Buffer(dt, D, kOutputSentinel);
-  }
-
-  attnres_params Inputs() const {
-    attnres_params p;
-    attnres_params_init(&p);
-    p.num_tokens = c_.tokens;
-    p.dim = c_.dim;
-    p.num_blocks = 0;
-    p.dtype = c_.dtype;
-    p.query_out = qo_.data();
-    p.query_lse = lse_.data();
-    p.partial = c_.partial ? part_.data() : nullptr;
-    p.source_row_stride = c_.dim + c_.source_pad;
-    p.proj_weight = w_.data();
-    p.gamma = c_.gamma ? gamma_.data() : nullptr;
-    p.scale = c_.scale;
-    p.eps = c_.eps;
-    p.rmsnorm = c_.rmsnorm ? 1 : 0;
-    p.input_norm = c_.input_norm ? 1 : 0;
-    p.norm_eps = c_.norm_eps;
-    p.norm_weight = c_.norm_weight ? nw_.data() : nullptr;
-    return p;
-  }
-
-  struct Forward {
-    attnres_status status;
-    std::string error, layout;
-    Vec out, new_partial;
-  };
-  Forward RunForward() {
-    out_.Fill(kOutputSentinel);
-    attnres_params p = Inputs();
-    p.out = out_.data();
-    p.out_row_stride = c_.dim + c_.out_pad;
-    if (c_.update) {
-      np_.Fill(kOutputSentinel);
-      p.partial_update = upd_.data();
-      p.new_partial = np_.data();
-    }
-    const auto before = InputBytes();
-    Forward f;
-    f.status = attnres_phase2_forward(&p);
-    f.error = f.status == ATTNRES_OK ? "" : attnres_last_error();
-    f.out = out_.Read();
-    if (!out_.OutsideIs(kOutputSentinel)) f.layout += "out padding/guard written; ";
-    if (c_.update) {
-      f.new_partial = np_.Read();
-      if (!np_.OutsideIs(kOutputSentinel)) f.layout += "new_partial padding/guard written; ";
-    }
-    if (InputBytes() != before) f.layout += "an input was modified; ";
-    return f;
-  }
-
-  struct Backward {
-    attnres_status status;
-    std::string error, layout;
-    Vec grad_out, grad_lse, grad_partial, grad_w, grad_gamma, grad_norm_weight;
-  };
-  Backward RunBackward() {
-    for (Rows* r : {&gq_, &gp_}) r->Fill(kOutputSentinel);
-    for (Buffer* b : {&glse_, &gw_, &gg_, &gnw_}) b->Fill(kOutputSentinel);
-    attnres_params p = Inputs();
-    p.grad_out = gout_.data();
-    p.grad_out_row_stride = c_.dim + c_.grad_out_pad;
-    p.grad_query_out = gq_.data();
-    p.grad_query_lse = glse_.data();
-    p.grad_partial = c_.partial ? gp_.data() : nullptr;
-    p.grad_source_row_stride = c_.dim + c_.grad_source_pad;
-    p.grad_proj_weight = gw_.data();
-    p.grad_gamma = c_.rmsnorm ? gg_.data() : nullptr;
-    p.grad_norm_weight = c_.input_norm ? gnw_.data() : nullptr;
-    if (c_.update) {
-      p.partial = updated_.data();
-      p.grad_partial_in = gin_.data();
-    }
-    const auto before = InputBytes();
-    Backward b;
-    b.status = attnres_phase2_backward(&p);
-    b.error = b.status == ATTNRES_OK ? "" : attnres_last_error();
-    b.grad_out = gq_.Read();
-    b.grad_lse = Values(glse_);
-    if (c_.partial) b.grad_partial = gp_.Read();
-    b.grad_w = Values(gw_);
-    if (c_.rmsnorm) b.grad_gamma = Values(gg_);
-    if (c_.input_norm) b.grad_norm_weight = Values(gnw_);
-    if (!gq_.OutsideIs(kOutputSentinel) || !gp_.OutsideIs(kOutputSentinel)) b.layout += "grad row padding/guard written; ";
-    for (const Buffer* x : {&glse_, &gw_, &gg_, &gnw_}) {
-      if (!x->GuardIntact(kOutputSentinel)) b.layout += "a guard was written; ";
-    }
-    if (!c_.partial && !gp_.buffer().BytesAre(0, gp_.buffer().count(), kOutputSentinel)) b.layout += "grad_partial written; ";
-    if (!c_.rmsnorm && !gg_.BytesAre(0, gg_.count(), kOutputSentinel)) b.layout += "grad_gamma written; ";
-    if (!c_.input_norm && !gnw_.BytesAre(0, gnw_.count(), kOutputSentinel)) b.layout += "grad_norm_weight written; ";
-    if (InputBytes() != before) b.layout += "an input was modified; ";
-    return b;
-  }
-
-  Phase2Problem ref;  // with the update, its partial is p'
-  Vec grad;
-  Vec new_partial, grad_partial_in;  // with the update: p' and the gradient p' receives elsewhere
-
- private:
-  std::vector<std::vector<unsigned char>> InputBytes() const {
-    return {Bytes(qo_.buffer()), Bytes(part_.buffer()), Bytes(lse_), Bytes(w_), Bytes(gamma_),
-            Bytes(nw_), Bytes(gout_.buffer()), Bytes(upd_.buffer()), Bytes(updated_.buffer()),
-            Bytes(gin_.buffer())};
-  }
-
-  Phase2Case c_;
-  Rows qo_, part_, out_, gout_, gq_, gp_, upd_, updated_, gin_, np_;
-  Buffer lse_, w_, gamma_, nw_, glse_, gw_, gg_, gnw_;
-};
 
 // ---------------------------------------------------------------------------
 // The reference itself: phase 1 then phase 2 is the single op (SPEC §5, "in exact
@@ -663,175 +167,66 @@ TEST(TwoPhaseReference, InputNormBackwardMatchesFiniteDifferences) {
 // ---------------------------------------------------------------------------
 // The ABI vs the reference.
 
-void CheckPhase1(const Phase1Case& c) {
-  SCOPED_TRACE(c.Describe());
-  Phase1Abi abi(c);
-  const auto ref_f = attnres::ref::Phase1Forward(abi.ref);
-  const auto ref_b = attnres::ref::Phase1Backward(abi.ref, abi.grad_outs, abi.grad_lses);
-  const Tolerance tol = ToleranceFor(c.dtype);
-  ForEachIsa([&](const std::string&) {
-  const auto f = abi.RunForward();
-  ASSERT_EQ(f.status, ATTNRES_OK) << f.error;
-  EXPECT_EQ(f.layout, "");
-  for (int64_t s = 0; s < c.queries; ++s) {
-    EXPECT_TRUE(Close("o_" + std::to_string(s), f.outs[s], ref_f.outs[s], tol.out));
-    EXPECT_TRUE(Close("lse_" + std::to_string(s), f.lses[s], ref_f.lses[s], tol.cache));
-  }
-  const auto b = abi.RunBackward();
-  ASSERT_EQ(b.status, ATTNRES_OK) << b.error;
-  EXPECT_EQ(b.layout, "");
-  for (int64_t i = 0; i < c.blocks; ++i) {
-    EXPECT_TRUE(Close("dv_" + std::to_string(i), b.grad_blocks[i], ref_b.grad_blocks[i], tol.grad));
-  }
-  EXPECT_TRUE(Close("dw", b.grad_w, ref_b.grad_w, tol.grad));
-  if (c.rmsnorm) EXPECT_TRUE(Close("dgamma", b.grad_gamma, ref_b.grad_gamma, tol.grad));
-
-  // NULL gradient pointers skip exactly those gradients; the others are unchanged.
-  if (c.blocks >= 2) {
-    const auto partial = abi.RunBackward(false, {}, {0}, /*skip_w=*/true, /*skip_gamma=*/false);
-    ASSERT_EQ(partial.status, ATTNRES_OK) << partial.error;
-    EXPECT_EQ(partial.layout, "");
-    EXPECT_TRUE(Close("dv_1 (dv_0, dw skipped)", partial.grad_blocks[1], ref_b.grad_blocks[1], tol.grad));
-    if (c.rmsnorm) EXPECT_TRUE(Close("dgamma (dw skipped)", partial.grad_gamma, ref_b.grad_gamma, tol.grad));
-  }
-  // grad_blocks NULL: only the weight gradients.
-  const auto weights = abi.RunBackward(false, {}, {}, false, false, /*grad_blocks_null=*/true);
-  ASSERT_EQ(weights.status, ATTNRES_OK) << weights.error;
-  EXPECT_EQ(weights.layout, "");
-  EXPECT_TRUE(Close("dw (grad_blocks NULL)", weights.grad_w, ref_b.grad_w, tol.grad));
-  });
+std::vector<Phase1Case> Phase1Cases(attnres_dtype dt) {
+  Phase1Case a = Phase1Of(dt, 7, 33, 3, 2, 1);  // everything on, padded strides everywhere
+  a.scale = 0.7;
+  a.source_pad = 3;
+  a.out_pad = 5;
+  a.grad_out_pad = 2;
+  a.grad_source_pad = 4;
+  Phase1Case b = Phase1Of(dt, 5, 1, 1, 1, 2);  // D = 1, one block, one query, gamma NULL
+  b.gamma = false;
+  b.source_pad = 1;
+  // No RMSNorm (gamma given: ignored), missing upstream gradients.
+  Phase1Case c = Phase1Of(dt, 9, 130, 9, 6, 3);
+  c.rmsnorm = false;
+  c.scale = 1.3;
+  c.eps = 0.3;
+  c.source_pad = 1;
+  c.grad_out_pad = 7;
+  c.null_grad_outs = {2};
+  c.null_grad_lses = {1, 4};
+  Phase1Case d = Phase1Of(dt, 3, 7, 33, 24, 4);  // many blocks and queries, no LSE gradients
+  d.eps = 0.1;
+  d.scale = 0.5;
+  d.source_pad = 9;
+  d.out_pad = 1;
+  d.grad_source_pad = 2;
+  d.grad_lses_array_null = true;
+  Phase1Case e = Phase1Of(dt, 17, 64, 2, 5, 5);  // full vectors, 5 queries (a partial group of 4)
+  e.scale = 2.0;
+  e.source_pad = 64;
+  e.null_grad_outs = {0};
+  // Rows of several of pass 1's tiles and a short last pair; 13 queries (query
+  // groups of 8 + 5 on AVX-512, 4 + 4 + 4 + 1 on AVX2).
+  Phase1Case f = Phase1Of(dt, 4, 1031, 5, 13, 6);
+  f.scale = 0.8;
+  f.source_pad = 3;
+  f.grad_out_pad = 1;
+  f.null_grad_lses = {7};
+  return {a, b, c, d, e, f};
 }
 
 TEST(TwoPhaseAbi, Phase1MatchesReference) {
   for (attnres_dtype dt : kAllDTypes) {
-    Phase1Case a;  // everything on, padded strides everywhere
-    a.dtype = dt;
-    a.tokens = 7;
-    a.dim = 33;
-    a.blocks = 3;
-    a.queries = 2;
-    a.scale = 0.7;
-    a.source_pad = 3;
-    a.out_pad = 5;
-    a.grad_out_pad = 2;
-    a.grad_source_pad = 4;
-    CheckPhase1(a);
-
-    Phase1Case b;  // D = 1, one block, one query, gamma NULL
-    b.dtype = dt;
-    b.tokens = 5;
-    b.dim = 1;
-    b.blocks = 1;
-    b.queries = 1;
-    b.gamma = false;
-    b.source_pad = 1;
-    b.seed = 2;
-    CheckPhase1(b);
-
-    Phase1Case c;  // no RMSNorm (gamma given: ignored), missing upstream gradients
-    c.dtype = dt;
-    c.tokens = 9;
-    c.dim = 130;
-    c.blocks = 9;
-    c.queries = 6;
-    c.rmsnorm = false;
-    c.scale = 1.3;
-    c.eps = 0.3;
-    c.source_pad = 1;
-    c.grad_out_pad = 7;
-    c.null_grad_outs = {2};
-    c.null_grad_lses = {1, 4};
-    c.seed = 3;
-    CheckPhase1(c);
-
-    Phase1Case d;  // many blocks and queries, no LSE gradients at all
-    d.dtype = dt;
-    d.tokens = 3;
-    d.dim = 7;
-    d.blocks = 33;
-    d.queries = 24;
-    d.eps = 0.1;
-    d.scale = 0.5;
-    d.source_pad = 9;
-    d.out_pad = 1;
-    d.grad_source_pad = 2;
-    d.grad_lses_array_null = true;
-    d.seed = 4;
-    CheckPhase1(d);
-
-    Phase1Case e;  // full vectors, 5 queries (a partial group of 4)
-    e.dtype = dt;
-    e.tokens = 17;
-    e.dim = 64;
-    e.blocks = 2;
-    e.queries = 5;
-    e.scale = 2.0;
-    e.source_pad = 64;
-    e.null_grad_outs = {0};
-    e.seed = 5;
-    CheckPhase1(e);
-
-    Phase1Case f;  // rows of several of pass 1's tiles and a short last pair; 13 queries
-    f.dtype = dt;  // (query groups of 8 + 5 on AVX-512, 4 + 4 + 4 + 1 on AVX2)
-    f.tokens = 4;
-    f.dim = 1031;
-    f.blocks = 5;
-    f.queries = 13;
-    f.scale = 0.8;
-    f.source_pad = 3;
-    f.grad_out_pad = 1;
-    f.null_grad_lses = {7};
-    f.seed = 6;
-    CheckPhase1(f);
+    for (const Phase1Case& c : Phase1Cases(dt)) CheckPhase1(c);
   }
 }
 
 // Phase 1 backward's block gradients above 16 MB are written with non-temporal
 // stores when every row is aligned for them (src/cpu/backend.cc; the forward's
 // query rows never are): aligned rows, and bf16 rows one element apart too many for
-// that, on every CPU variant. (Named as the single op's streaming test, which the
-// aarch64 run under qemu leaves out for its time.)
+// that, on every CPU variant. (The suite name is the single op's streaming test's,
+// which the aarch64 run under qemu leaves out for its time.)
 TEST(StreamingStores, Phase1LargeOutputsMatchTheReference) {
   for (auto [dt, pad] : {std::pair{ATTNRES_DTYPE_BFLOAT16, 0}, std::pair{ATTNRES_DTYPE_BFLOAT16, 1},
                          std::pair{ATTNRES_DTYPE_FLOAT32, 0}}) {
-    Phase1Case c;  // bf16: 5 x 4.6 MB of outputs, 4 x 4.6 MB of gradients (fp32 twice that)
-    c.dtype = dt;
-    c.tokens = 1000;
-    c.dim = 2304;
-    c.blocks = 4;
-    c.queries = 5;
+    // bf16: 5 x 4.6 MB of outputs, 4 x 4.6 MB of gradients (fp32 twice that).
+    Phase1Case c = Phase1Of(dt, 1000, 2304, 4, 5, 7);
     c.out_pad = pad;
     c.grad_source_pad = pad;
-    c.seed = 7;
     CheckPhase1(c);
   }
-}
-
-void CheckPhase2(const Phase2Case& c) {
-  SCOPED_TRACE(c.Describe());
-  Phase2Abi abi(c);
-  const Vec ref_out = attnres::ref::Phase2Forward(abi.ref);
-  const auto ref_b = attnres::ref::Phase2Backward(abi.ref, abi.grad);
-  const Tolerance tol = ToleranceFor(c.dtype);
-  ForEachIsa([&](const std::string&) {
-  const auto f = abi.RunForward();
-  ASSERT_EQ(f.status, ATTNRES_OK) << f.error;
-  EXPECT_EQ(f.layout, "");
-  EXPECT_TRUE(Close("out", f.out, ref_out, tol.out));
-  if (c.update) EXPECT_TRUE(Close("new_partial (bitwise)", f.new_partial, abi.new_partial, 0));
-  const auto b = abi.RunBackward();
-  ASSERT_EQ(b.status, ATTNRES_OK) << b.error;
-  EXPECT_EQ(b.layout, "");
-  EXPECT_TRUE(Close("do", b.grad_out, ref_b.grad_out, tol.grad));
-  EXPECT_TRUE(Close("dlse", b.grad_lse, ref_b.grad_lse, tol.grad));
-  if (c.partial) {
-    const Vec dp = c.update ? Add(ref_b.grad_partial, abi.grad_partial_in) : ref_b.grad_partial;
-    EXPECT_TRUE(Close("dp", b.grad_partial, dp, tol.grad));
-  }
-  EXPECT_TRUE(Close("dw", b.grad_w, ref_b.grad_w, tol.grad));
-  if (c.rmsnorm) EXPECT_TRUE(Close("dgamma", b.grad_gamma, ref_b.grad_gamma, tol.grad));
-  if (c.input_norm) EXPECT_TRUE(Close("dnorm_weight", b.grad_norm_weight, ref_b.grad_norm_weight, tol.grad));
-  });
 }
 
 TEST(TwoPhaseAbi, Phase2MatchesReference) {
@@ -841,10 +236,7 @@ TEST(TwoPhaseAbi, Phase2MatchesReference) {
     for (bool partial : {true, false}) {
       for (int norm : {0, 1, 2}) {        // no input norm, input norm, with norm_weight
         for (int keys : {0, 1, 2}) {      // RMSNorm + gamma, RMSNorm without gamma, none
-          Phase2Case c;
-          c.dtype = dt;
-          c.tokens = 6;
-          c.dim = dims[k % 4];
+          Phase2Case c = Phase2Of(dt, 6, dims[k % 4], 100 + k);
           c.partial = partial;
           c.input_norm = norm >= 1;
           c.norm_weight = norm == 2;
@@ -861,7 +253,6 @@ TEST(TwoPhaseAbi, Phase2MatchesReference) {
           c.out_pad = (k + 1) % 4;
           c.grad_out_pad = k % 2;
           c.grad_source_pad = (k + 2) % 3;
-          c.seed = 100 + k;
           ++k;
           CheckPhase2(c);
         }
@@ -871,18 +262,16 @@ TEST(TwoPhaseAbi, Phase2MatchesReference) {
 }
 
 // The fused partial-block update (ABI 3): new_partial is partial + y with the bits of
-// one rounded addition, out merges it, and grad_partial_in is added into grad_partial.
+// one rounded addition, out merges it (the plain forward's out of it, bit for bit),
+// and grad_partial_in is added into grad_partial.
 TEST(TwoPhaseAbi, Phase2FusedUpdateMatchesReference) {
   const int64_t dims[] = {1, 7, 33, 130, 1031};
   int k = 0;
   for (attnres_dtype dt : kAllDTypes) {
     for (int norm : {0, 2}) {    // no input norm, input norm with norm_weight
       for (int keys : {0, 2}) {  // RMSNorm + gamma, none
-        Phase2Case c;
-        c.dtype = dt;
-        c.update = true;
-        c.tokens = 1 + 4 * (k % 3);
-        c.dim = dims[k % 5];
+        Phase2Case c = Phase2Of(dt, 1 + 4 * (k % 3), dims[k % 5], 300 + k);
+        c.update = c.grad_partial_in = true;
         c.input_norm = norm >= 1;
         c.norm_weight = norm == 2;
         c.rmsnorm = keys != 2;
@@ -893,7 +282,6 @@ TEST(TwoPhaseAbi, Phase2FusedUpdateMatchesReference) {
         c.out_pad = (k + 1) % 4;
         c.grad_out_pad = (k + 1) % 2;
         c.grad_source_pad = k % 3;
-        c.seed = 300 + k;
         ++k;
         CheckPhase2(c);
       }
@@ -913,10 +301,7 @@ TEST(TwoPhaseAbi, Phase2SharpMergesMatchReference) {
         for (double size : SharpPartialSizes(dt)) {
           if (dt == ATTNRES_DTYPE_FLOAT16 && !Fp16HoldsSharp(gap, size)) continue;
           for (bool rmsnorm : {true, false}) {
-            Phase2Case c;
-            c.dtype = dt;
-            c.tokens = 9;
-            c.dim = k % 2 ? 33 : 64;
+            Phase2Case c = Phase2Of(dt, 9, k % 2 ? 33 : 64, 500 + k);
             c.merge_gap = sign * gap;
             c.partial_size = size;
             c.rmsnorm = rmsnorm;
@@ -927,10 +312,9 @@ TEST(TwoPhaseAbi, Phase2SharpMergesMatchReference) {
             // fp32 evaluation of dh shares (the single op's dot(dh, v_i) too): 1-2e-4
             // of max-abs in dlse there.
             c.input_norm = c.norm_weight = (k / 2) % 3 == 1 && size == 1;
-            c.update = (k / 3) % 4 == 2;
+            c.update = c.grad_partial_in = (k / 3) % 4 == 2;
             c.scale = 0.8;
             c.source_pad = (k / 5) % 3;
-            c.seed = 500 + k;
             ++k;
             CheckPhase2(c);
           }
@@ -943,9 +327,7 @@ TEST(TwoPhaseAbi, Phase2SharpMergesMatchReference) {
 TEST(TwoPhaseAbi, ZeroTokensWriteZeroWeightGradients) {
   for (attnres_dtype dt : kAllDTypes) {
     SCOPED_TRACE(DTypeName(dt));
-    Phase1Case c;
-    c.dtype = dt;
-    c.tokens = 0;
+    const Phase1Case c = Phase1Of(dt, 0, 8, 3, 2, 1);
     Phase1Abi abi(c);
     const auto f = abi.RunForward();
     ASSERT_EQ(f.status, ATTNRES_OK) << f.error;
@@ -956,9 +338,7 @@ TEST(TwoPhaseAbi, ZeroTokensWriteZeroWeightGradients) {
     EXPECT_TRUE(Close("dw", b.grad_w, Vec(c.queries * c.dim, 0.0), 0));
     EXPECT_TRUE(Close("dgamma", b.grad_gamma, Vec(c.queries * c.dim, 0.0), 0));
 
-    Phase2Case c2;
-    c2.dtype = dt;
-    c2.tokens = 0;
+    Phase2Case c2 = Phase2Of(dt, 0, 8, 1);
     c2.input_norm = true;
     Phase2Abi abi2(c2);
     const auto f2 = abi2.RunForward();
@@ -972,43 +352,22 @@ TEST(TwoPhaseAbi, ZeroTokensWriteZeroWeightGradients) {
 }
 
 // Header: "accumulate_grads: 1 adds into grad_blocks[i] instead of overwriting";
-// grad_proj_weight and grad_gamma stay "overwritten".
+// grad_proj_weight and grad_gamma stay "overwritten" (the sentinel they held before
+// the call must not leak into them); accumulate = 0 ignores what the buffers held.
 TEST(TwoPhaseAbi, AccumulateGradsAddsIntoBlockGradients) {
   for (attnres_dtype dt : kAllDTypes) {
-    Phase1Case c;
-    c.dtype = dt;
-    c.tokens = 11;
-    c.dim = 19;
-    c.blocks = 4;
-    c.queries = 3;
+    Phase1Case c = Phase1Of(dt, 11, 19, 4, 3, 1);
     c.grad_source_pad = 3;
     c.null_grad_lses = {1};
-    SCOPED_TRACE(c.Describe());
-    Phase1Abi abi(c);
-    const auto ref_b = attnres::ref::Phase1Backward(abi.ref, abi.grad_outs, abi.grad_lses);
     Rng rng(99);
-    Vecs initial;
-    for (int64_t i = 0; i < c.blocks; ++i) initial.push_back(rng.Normal(c.tokens * c.dim, 0, 1, dt));
-    const Tolerance tol = ToleranceFor(dt);
-    const auto b = abi.RunBackward(/*accumulate=*/true, initial, /*null_blocks=*/{2});
-    ASSERT_EQ(b.status, ATTNRES_OK) << b.error;
-    EXPECT_EQ(b.layout, "");
-    for (int64_t i = 0; i < c.blocks; ++i) {
-      if (i == 2) continue;
-      EXPECT_TRUE(Close("initial + dv_" + std::to_string(i), b.grad_blocks[i],
-                        Add(initial[i], ref_b.grad_blocks[i]), tol.grad));
-    }
-    // The sentinel in grad_w/grad_gamma before the call must not leak into them.
-    EXPECT_TRUE(Close("dw (overwritten)", b.grad_w, ref_b.grad_w, tol.grad));
-    EXPECT_TRUE(Close("dgamma (overwritten)", b.grad_gamma, ref_b.grad_gamma, tol.grad));
-
-    // accumulate = 0 ignores what the buffers held.
-    const auto o = abi.RunBackward(/*accumulate=*/false, initial);
-    ASSERT_EQ(o.status, ATTNRES_OK) << o.error;
-    for (int64_t i = 0; i < c.blocks; ++i) {
-      EXPECT_TRUE(Close("dv_" + std::to_string(i) + " (overwrite)", o.grad_blocks[i],
-                        ref_b.grad_blocks[i], tol.grad));
-    }
+    Phase1Grads g;
+    for (int64_t i = 0; i < c.blocks; ++i) g.initial.push_back(rng.Normal(c.tokens * c.dim, 0, 1, dt));
+    g.null_blocks = {2};
+    g.accumulate = true;
+    CheckPhase1(c, g);
+    g.null_blocks = {};
+    g.accumulate = false;
+    CheckPhase1(c, g);
   }
 }
 
@@ -1017,24 +376,15 @@ TEST(TwoPhaseAbi, AccumulateGradsAddsIntoBlockGradients) {
 TEST(TwoPhaseDeterminism, AcrossThreadsAndIsas) {
   ThreadsAndIsaGuard guard;
   for (attnres_dtype dt : {ATTNRES_DTYPE_FLOAT32, ATTNRES_DTYPE_BFLOAT16}) {
-    Phase1Case c;
-    c.dtype = dt;
-    c.tokens = 300;
-    c.dim = 37;
-    c.blocks = 5;
-    c.queries = 3;
+    Phase1Case c = Phase1Of(dt, 300, 37, 5, 3, 1);
     c.scale = 0.9;
     c.source_pad = 3;
     SCOPED_TRACE(c.Describe());
     Phase1Abi abi(c);
     const auto ref_b = attnres::ref::Phase1Backward(abi.ref, abi.grad_outs, abi.grad_lses);
 
-    Phase2Case c2;
-    c2.dtype = dt;
-    c2.tokens = 300;
-    c2.dim = 37;
-    c2.input_norm = true;
-    c2.norm_weight = true;
+    Phase2Case c2 = Phase2Of(dt, 300, 37, 1);
+    c2.input_norm = c2.norm_weight = true;
     c2.grad_source_pad = 2;
     Phase2Abi abi2(c2);
     const auto ref_b2 = attnres::ref::Phase2Backward(abi2.ref, abi2.grad);
@@ -1256,11 +606,20 @@ class TwoPhaseValidation : public ::testing::Test {
   }
 
   using Call = attnres_status (*)(const attnres_params*);
+  // A broken argument: `edit` applied to a valid call's params must give `status`
+  // and a message naming every word.
+  struct Rule {
+    const char* what;
+    std::function<void(attnres_params&)> edit;
+    attnres_status status;
+    std::vector<std::string> words;
+  };
 
   // The call fails with `status`, its message names every word, nothing is written.
   void ExpectRejected(const char* what, Call call, const attnres_params* p, attnres_status status,
                       const std::vector<std::string>& words) {
     SCOPED_TRACE(what);
+    CountCheck(3 + words.size());
     ResetOutputs();
     const attnres_status got = call(p);
     EXPECT_EQ(got, status) << "status " << attnres_status_string(got) << ": " << attnres_last_error();
@@ -1270,6 +629,14 @@ class TwoPhaseValidation : public ::testing::Test {
     }
     EXPECT_EQ(WrittenOutput(), "") << "an output was written by a rejected call";
     EXPECT_TRUE(Inputs() == inputs_snapshot_) << "an input was modified by a rejected call";
+  }
+
+  void ExpectRules(Call call, const attnres_params& valid, const std::vector<Rule>& rules) {
+    for (const Rule& r : rules) {
+      attnres_params p = valid;
+      r.edit(p);
+      ExpectRejected(r.what, call, &p, r.status, r.words);
+    }
   }
 
   std::vector<Floats> blocks_;
@@ -1315,13 +682,7 @@ TEST_F(TwoPhaseValidation, CommonRules) {
     SCOPED_TRACE(calls[k].first);
     const Call call = calls[k].second;
     ExpectRejected("params NULL", call, nullptr, ATTNRES_ERROR_NULL_POINTER, {"params"});
-    struct Rule {
-      const char* what;
-      std::function<void(attnres_params&)> edit;
-      attnres_status status;
-      std::vector<std::string> words;
-    };
-    const std::vector<Rule> rules = {
+    ExpectRules(call, valid[k], {
         {"abi_version", [](attnres_params& p) { p.abi_version = 1; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"abi_version"}},
         {"dtype", [](attnres_params& p) { p.dtype = 7; }, ATTNRES_ERROR_UNSUPPORTED_DTYPE, {"dtype", "7"}},
         {"dtype -1", [](attnres_params& p) { p.dtype = -1; }, ATTNRES_ERROR_UNSUPPORTED_DTYPE, {"dtype"}},
@@ -1335,12 +696,7 @@ TEST_F(TwoPhaseValidation, CommonRules) {
         {"eps nan", [](attnres_params& p) { p.eps = NAN; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"eps"}},
         {"source_row_stride", [](attnres_params& p) { p.source_row_stride = kD - 1; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"source_row_stride", "12"}},
         {"proj_weight NULL", [](attnres_params& p) { p.proj_weight = nullptr; }, ATTNRES_ERROR_NULL_POINTER, {"proj_weight"}},
-    };
-    for (const Rule& r : rules) {
-      attnres_params p = valid[k];
-      r.edit(p);
-      ExpectRejected(r.what, call, &p, r.status, r.words);
-    }
+    });
     if (!attnres_cuda_available()) {
       attnres_params p = valid[k];
       p.device = ATTNRES_DEVICE_CUDA;
@@ -1357,112 +713,65 @@ TEST_F(TwoPhaseValidation, Phase1Rules) {
   for (int k = 0; k < 2; ++k) {
     SCOPED_TRACE(calls[k].first);
     const Call call = calls[k].second;
-    attnres_params p = valid[k];
-    p.num_blocks = 0;
-    ExpectRejected("num_blocks 0", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"num_blocks"});
-    p = valid[k];
-    p.partial = partial_.data();
-    ExpectRejected("partial in phase 1", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"partial"});
-    p = valid[k];
-    p.num_queries = 0;
-    ExpectRejected("num_queries 0", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"num_queries", "0"});
-    p = valid[k];
-    p.num_queries = -3;
-    ExpectRejected("num_queries < 0", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"num_queries", "-3"});
-    p = valid[k];
-    p.blocks = nullptr;
-    ExpectRejected("blocks NULL", call, &p, ATTNRES_ERROR_NULL_POINTER, {"blocks"});
-    p = valid[k];
-    p.blocks = with_null.data();
-    ExpectRejected("blocks[2] NULL", call, &p, ATTNRES_ERROR_NULL_POINTER, {"blocks[2]"});
+    ExpectRules(call, valid[k], {
+        {"num_blocks 0", [&](attnres_params& p) { p.num_blocks = 0; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"num_blocks"}},
+        {"partial in phase 1", [&](attnres_params& p) { p.partial = partial_.data(); }, ATTNRES_ERROR_INVALID_ARGUMENT, {"partial"}},
+        {"num_queries 0", [&](attnres_params& p) { p.num_queries = 0; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"num_queries", "0"}},
+        {"num_queries < 0", [&](attnres_params& p) { p.num_queries = -3; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"num_queries", "-3"}},
+        {"blocks NULL", [&](attnres_params& p) { p.blocks = nullptr; }, ATTNRES_ERROR_NULL_POINTER, {"blocks"}},
+        {"blocks[2] NULL", [&](attnres_params& p) { p.blocks = with_null.data(); }, ATTNRES_ERROR_NULL_POINTER, {"blocks[2]"}},
+    });
   }
 
-  // Forward only.
-  attnres_params p = P1Forward();
-  p.query_outs = nullptr;
-  ExpectRejected("query_outs NULL", attnres_phase1_forward, &p, ATTNRES_ERROR_NULL_POINTER, {"query_outs"});
-  p = P1Forward();
-  p.query_lses = nullptr;
-  ExpectRejected("query_lses NULL", attnres_phase1_forward, &p, ATTNRES_ERROR_NULL_POINTER, {"query_lses"});
   std::vector<void*> outs_null = {outs_[0].data(), nullptr};
-  p = P1Forward();
-  p.query_outs = outs_null.data();
-  ExpectRejected("query_outs[1] NULL", attnres_phase1_forward, &p, ATTNRES_ERROR_NULL_POINTER, {"query_outs[1]"});
   std::vector<void*> lses_null = {nullptr, lses_[1].data()};
-  p = P1Forward();
-  p.query_lses = lses_null.data();
-  ExpectRejected("query_lses[0] NULL", attnres_phase1_forward, &p, ATTNRES_ERROR_NULL_POINTER, {"query_lses[0]"});
-  p = P1Forward();
-  p.out_row_stride = kD - 2;
-  ExpectRejected("out_row_stride", attnres_phase1_forward, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"out_row_stride", "11"});
-
-  // Overlaps: outputs with each other and with inputs.
   std::vector<void*> same_out = {outs_[0].data(), outs_[0].data()};
-  p = P1Forward();
-  p.query_outs = same_out.data();
-  ExpectRejected("query_outs[1] == query_outs[0]", attnres_phase1_forward, &p, ATTNRES_ERROR_OVERLAP, {"query_outs[0]", "query_outs[1]"});
   std::vector<const void*> blocks_in_arena = {arena_.data(), blocks_[1].data(), blocks_[2].data()};
   std::vector<void*> out_on_block = {arena_.data() + 7, outs_[1].data()};
-  p = P1Forward();
-  p.blocks = blocks_in_arena.data();
-  p.query_outs = out_on_block.data();
-  ExpectRejected("query_outs[0] overlaps blocks[0]", attnres_phase1_forward, &p, ATTNRES_ERROR_OVERLAP, {"query_outs[0]", "blocks[0]"});
   std::vector<void*> lse_in_out = {outs_[1].data() + 3, lses_[1].data()};
-  p = P1Forward();
-  p.query_lses = lse_in_out.data();
-  ExpectRejected("query_lses[0] inside query_outs[1]", attnres_phase1_forward, &p, ATTNRES_ERROR_OVERLAP, {"query_lses[0]", "query_outs[1]"});
-  p = P1Forward();
-  p.proj_weight = arena_.data();
   std::vector<void*> lse_in_w = {lses_[0].data(), arena_.data() + 1};
-  p.query_lses = lse_in_w.data();
-  ExpectRejected("query_lses[1] inside proj_weight", attnres_phase1_forward, &p, ATTNRES_ERROR_OVERLAP, {"query_lses[1]", "proj_weight"});
+  // Forward only.
+  ExpectRules(attnres_phase1_forward, P1Forward(), {
+      {"query_outs NULL", [&](attnres_params& p) { p.query_outs = nullptr; }, ATTNRES_ERROR_NULL_POINTER, {"query_outs"}},
+      {"query_lses NULL", [&](attnres_params& p) { p.query_lses = nullptr; }, ATTNRES_ERROR_NULL_POINTER, {"query_lses"}},
+      {"query_outs[1] NULL", [&](attnres_params& p) { p.query_outs = outs_null.data(); }, ATTNRES_ERROR_NULL_POINTER, {"query_outs[1]"}},
+      {"query_lses[0] NULL", [&](attnres_params& p) { p.query_lses = lses_null.data(); }, ATTNRES_ERROR_NULL_POINTER, {"query_lses[0]"}},
+      {"out_row_stride", [&](attnres_params& p) { p.out_row_stride = kD - 2; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"out_row_stride", "11"}},
+  });
+
+  // Overlaps: outputs with each other and with inputs.
+  ExpectRules(attnres_phase1_forward, P1Forward(), {
+      {"query_outs[1] == query_outs[0]", [&](attnres_params& p) { p.query_outs = same_out.data(); }, ATTNRES_ERROR_OVERLAP, {"query_outs[0]", "query_outs[1]"}},
+      {"query_outs[0] overlaps blocks[0]", [&](attnres_params& p) { p.blocks = blocks_in_arena.data(); p.query_outs = out_on_block.data(); }, ATTNRES_ERROR_OVERLAP, {"query_outs[0]", "blocks[0]"}},
+      {"query_lses[0] inside query_outs[1]", [&](attnres_params& p) { p.query_lses = lse_in_out.data(); }, ATTNRES_ERROR_OVERLAP, {"query_lses[0]", "query_outs[1]"}},
+      {"query_lses[1] inside proj_weight", [&](attnres_params& p) { p.proj_weight = arena_.data(); p.query_lses = lse_in_w.data(); }, ATTNRES_ERROR_OVERLAP, {"query_lses[1]", "proj_weight"}},
+  });
 }
 
 TEST_F(TwoPhaseValidation, Phase1BackwardRules) {
   const Call call = attnres_phase1_backward;
-  attnres_params p = P1Backward();
-  p.grad_query_outs = nullptr;
-  ExpectRejected("grad_query_outs NULL", call, &p, ATTNRES_ERROR_NULL_POINTER, {"grad_query_outs"});
-  p = P1Backward();
-  p.accumulate_grads = 2;
-  ExpectRejected("accumulate_grads", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"accumulate_grads", "2"});
-  p = P1Backward();
-  p.rmsnorm = 0;
-  ExpectRejected("grad_gamma without rmsnorm", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_gamma"});
-  p = P1Backward();
-  p.grad_out_row_stride = kD - 1;
-  ExpectRejected("grad_out_row_stride", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_out_row_stride", "12"});
-  p = P1Backward();
-  p.grad_source_row_stride = 3;
-  ExpectRejected("grad_source_row_stride", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_source_row_stride", "3"});
-
-  // Overlaps.
   std::vector<void*> on_block = {gblocks_[0].data(), const_cast<float*>(blocks_[1].data()) , gblocks_[2].data()};
-  p = P1Backward();
-  p.grad_blocks = on_block.data();
-  ExpectRejected("grad_blocks[1] == blocks[1]", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_blocks[1]", "blocks[1]"});
   std::vector<void*> twice = {gblocks_[0].data(), gblocks_[0].data() + 2, gblocks_[2].data()};
-  p = P1Backward();
-  p.grad_blocks = twice.data();
-  ExpectRejected("grad_blocks[1] overlaps grad_blocks[0]", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_blocks[0]", "grad_blocks[1]"});
-  p = P1Backward();
-  p.grad_gamma = gw_.data() + 1;
-  ExpectRejected("grad_gamma overlaps grad_proj_weight", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_gamma", "grad_proj_weight"});
   std::vector<const void*> gout_in_arena = {arena_.data(), gouts_[1].data()};
   std::vector<void*> gb_on_gout = {gblocks_[0].data(), gblocks_[1].data(), arena_.data() + 5};
-  p = P1Backward();
-  p.grad_query_outs = gout_in_arena.data();
-  p.grad_blocks = gb_on_gout.data();
-  ExpectRejected("grad_blocks[2] overlaps grad_query_outs[0]", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_blocks[2]", "grad_query_outs[0]"});
   std::vector<const void*> glse_in_arena = {arena_.data(), glses_[1].data()};
-  p = P1Backward();
-  p.grad_query_lses = glse_in_arena.data();
-  p.grad_proj_weight = arena_.data() + 1;
-  ExpectRejected("grad_proj_weight overlaps grad_query_lses[0]", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_proj_weight", "grad_query_lses[0]"});
-  p = P1Backward();
-  p.gamma = arena_.data();
-  p.grad_gamma = arena_.data() + kD;
-  ExpectRejected("grad_gamma overlaps gamma", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_gamma", "gamma"});
+  ExpectRules(call, P1Backward(), {
+      {"grad_query_outs NULL", [&](attnres_params& p) { p.grad_query_outs = nullptr; }, ATTNRES_ERROR_NULL_POINTER, {"grad_query_outs"}},
+      {"accumulate_grads", [&](attnres_params& p) { p.accumulate_grads = 2; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"accumulate_grads", "2"}},
+      {"grad_gamma without rmsnorm", [&](attnres_params& p) { p.rmsnorm = 0; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_gamma"}},
+      {"grad_out_row_stride", [&](attnres_params& p) { p.grad_out_row_stride = kD - 1; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_out_row_stride", "12"}},
+      {"grad_source_row_stride", [&](attnres_params& p) { p.grad_source_row_stride = 3; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_source_row_stride", "3"}},
+  });
+
+  // Overlaps.
+  ExpectRules(call, P1Backward(), {
+      {"grad_blocks[1] == blocks[1]", [&](attnres_params& p) { p.grad_blocks = on_block.data(); }, ATTNRES_ERROR_OVERLAP, {"grad_blocks[1]", "blocks[1]"}},
+      {"grad_blocks[1] overlaps grad_blocks[0]", [&](attnres_params& p) { p.grad_blocks = twice.data(); }, ATTNRES_ERROR_OVERLAP, {"grad_blocks[0]", "grad_blocks[1]"}},
+      {"grad_gamma overlaps grad_proj_weight", [&](attnres_params& p) { p.grad_gamma = gw_.data() + 1; }, ATTNRES_ERROR_OVERLAP, {"grad_gamma", "grad_proj_weight"}},
+      {"grad_blocks[2] overlaps grad_query_outs[0]", [&](attnres_params& p) { p.grad_query_outs = gout_in_arena.data(); p.grad_blocks = gb_on_gout.data(); }, ATTNRES_ERROR_OVERLAP, {"grad_blocks[2]", "grad_query_outs[0]"}},
+      {"grad_proj_weight overlaps grad_query_lses[0]", [&](attnres_params& p) { p.grad_query_lses = glse_in_arena.data(); p.grad_proj_weight = arena_.data() + 1; }, ATTNRES_ERROR_OVERLAP, {"grad_proj_weight", "grad_query_lses[0]"}},
+      {"grad_gamma overlaps gamma", [&](attnres_params& p) { p.gamma = arena_.data(); p.grad_gamma = arena_.data() + kD; }, ATTNRES_ERROR_OVERLAP, {"grad_gamma", "gamma"}},
+  });
 }
 
 TEST_F(TwoPhaseValidation, Phase2Rules) {
@@ -1473,110 +782,51 @@ TEST_F(TwoPhaseValidation, Phase2Rules) {
   for (int k = 0; k < 2; ++k) {
     SCOPED_TRACE(calls[k].first);
     const Call call = calls[k].second;
-    attnres_params p = valid[k];
-    p.num_blocks = 1;
-    p.blocks = some_blocks.data();
-    ExpectRejected("num_blocks != 0", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"num_blocks"});
-    p = valid[k];
-    p.query_out = nullptr;
-    ExpectRejected("query_out NULL", call, &p, ATTNRES_ERROR_NULL_POINTER, {"query_out"});
-    p = valid[k];
-    p.query_lse = nullptr;
-    ExpectRejected("query_lse NULL with partial", call, &p, ATTNRES_ERROR_NULL_POINTER, {"query_lse"});
-    p = valid[k];
-    p.input_norm = 2;
-    ExpectRejected("input_norm 2", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"input_norm", "2"});
-    p = valid[k];
-    p.norm_eps = -1;
-    ExpectRejected("norm_eps < 0", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"norm_eps"});
-    p = valid[k];
-    p.norm_eps = INFINITY;
-    ExpectRejected("norm_eps inf", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"norm_eps"});
-    p = valid[k];
-    p.norm_eps = NAN;
-    ExpectRejected("norm_eps nan", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"norm_eps"});
-    p = valid[k];
-    p.input_norm = 0;
-    p.grad_norm_weight = nullptr;
-    ExpectRejected("norm_weight without input_norm", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"norm_weight"});
-    p = valid[k];
-    p.source_row_stride = kD - 1;
-    ExpectRejected("source_row_stride", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"source_row_stride"});
+    ExpectRules(call, valid[k], {
+        {"num_blocks != 0", [&](attnres_params& p) { p.num_blocks = 1; p.blocks = some_blocks.data(); }, ATTNRES_ERROR_INVALID_ARGUMENT, {"num_blocks"}},
+        {"query_out NULL", [&](attnres_params& p) { p.query_out = nullptr; }, ATTNRES_ERROR_NULL_POINTER, {"query_out"}},
+        {"query_lse NULL with partial", [&](attnres_params& p) { p.query_lse = nullptr; }, ATTNRES_ERROR_NULL_POINTER, {"query_lse"}},
+        {"input_norm 2", [&](attnres_params& p) { p.input_norm = 2; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"input_norm", "2"}},
+        {"norm_eps < 0", [&](attnres_params& p) { p.norm_eps = -1; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"norm_eps"}},
+        {"norm_eps inf", [&](attnres_params& p) { p.norm_eps = INFINITY; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"norm_eps"}},
+        {"norm_eps nan", [&](attnres_params& p) { p.norm_eps = NAN; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"norm_eps"}},
+        {"norm_weight without input_norm", [&](attnres_params& p) { p.input_norm = 0; p.grad_norm_weight = nullptr; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"norm_weight"}},
+        {"source_row_stride", [&](attnres_params& p) { p.source_row_stride = kD - 1; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"source_row_stride"}},
+    });
   }
 
   // Forward only.
-  attnres_params p = P2Forward();
-  p.out = nullptr;
-  ExpectRejected("out NULL", attnres_phase2_forward, &p, ATTNRES_ERROR_NULL_POINTER, {"out"});
-  p = P2Forward();
-  p.out_row_stride = 4;
-  ExpectRejected("out_row_stride", attnres_phase2_forward, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"out_row_stride", "4"});
-  p = P2Forward();
-  p.partial = arena_.data();
-  p.out = arena_.data() + kD;
-  ExpectRejected("out overlaps partial", attnres_phase2_forward, &p, ATTNRES_ERROR_OVERLAP, {"out", "partial"});
-  p = P2Forward();
-  p.query_out = arena_.data();
-  p.out = arena_.data();
-  ExpectRejected("out == query_out", attnres_phase2_forward, &p, ATTNRES_ERROR_OVERLAP, {"out", "query_out"});
-  p = P2Forward();
-  p.norm_weight = arena_.data() + 3;
-  p.out = arena_.data();
-  ExpectRejected("out overlaps norm_weight", attnres_phase2_forward, &p, ATTNRES_ERROR_OVERLAP, {"out", "norm_weight"});
-  p = P2Forward();
-  p.query_lse = arena_.data() + 2;
-  p.out = arena_.data();
-  ExpectRejected("out overlaps query_lse", attnres_phase2_forward, &p, ATTNRES_ERROR_OVERLAP, {"out", "query_lse"});
+  ExpectRules(attnres_phase2_forward, P2Forward(), {
+      {"out NULL", [&](attnres_params& p) { p.out = nullptr; }, ATTNRES_ERROR_NULL_POINTER, {"out"}},
+      {"out_row_stride", [&](attnres_params& p) { p.out_row_stride = 4; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"out_row_stride", "4"}},
+      {"out overlaps partial", [&](attnres_params& p) { p.partial = arena_.data(); p.out = arena_.data() + kD; }, ATTNRES_ERROR_OVERLAP, {"out", "partial"}},
+      {"out == query_out", [&](attnres_params& p) { p.query_out = arena_.data(); p.out = arena_.data(); }, ATTNRES_ERROR_OVERLAP, {"out", "query_out"}},
+      {"out overlaps norm_weight", [&](attnres_params& p) { p.norm_weight = arena_.data() + 3; p.out = arena_.data(); }, ATTNRES_ERROR_OVERLAP, {"out", "norm_weight"}},
+      {"out overlaps query_lse", [&](attnres_params& p) { p.query_lse = arena_.data() + 2; p.out = arena_.data(); }, ATTNRES_ERROR_OVERLAP, {"out", "query_lse"}},
+  });
 }
 
 TEST_F(TwoPhaseValidation, Phase2BackwardRules) {
   const Call call = attnres_phase2_backward;
-  attnres_params p = P2Backward();
-  p.grad_out = nullptr;
-  ExpectRejected("grad_out NULL", call, &p, ATTNRES_ERROR_NULL_POINTER, {"grad_out"});
-  p = P2Backward();
-  p.grad_out_row_stride = kD - 1;
-  ExpectRejected("grad_out_row_stride", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_out_row_stride"});
-  p = P2Backward();
-  p.grad_source_row_stride = kD - 1;
-  ExpectRejected("grad_source_row_stride", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_source_row_stride"});
-  p = P2Backward();
-  p.partial = nullptr;
-  ExpectRejected("grad_partial without partial", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_partial"});
-  p = P2Backward();
-  p.rmsnorm = 0;
-  ExpectRejected("grad_gamma without rmsnorm", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_gamma"});
-  p = P2Backward();
-  p.input_norm = 0;
-  p.norm_weight = nullptr;
-  ExpectRejected("grad_norm_weight without input_norm", call, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_norm_weight"});
+  ExpectRules(call, P2Backward(), {
+      {"grad_out NULL", [&](attnres_params& p) { p.grad_out = nullptr; }, ATTNRES_ERROR_NULL_POINTER, {"grad_out"}},
+      {"grad_out_row_stride", [&](attnres_params& p) { p.grad_out_row_stride = kD - 1; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_out_row_stride"}},
+      {"grad_source_row_stride", [&](attnres_params& p) { p.grad_source_row_stride = kD - 1; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_source_row_stride"}},
+      {"grad_partial without partial", [&](attnres_params& p) { p.partial = nullptr; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_partial"}},
+      {"grad_gamma without rmsnorm", [&](attnres_params& p) { p.rmsnorm = 0; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_gamma"}},
+      {"grad_norm_weight without input_norm", [&](attnres_params& p) { p.input_norm = 0; p.norm_weight = nullptr; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_norm_weight"}},
+  });
 
   // Overlaps.
-  p = P2Backward();
-  p.grad_partial = gq_.data() + 1;
-  ExpectRejected("grad_partial overlaps grad_query_out", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_partial", "grad_query_out"});
-  p = P2Backward();
-  p.partial = arena_.data();
-  p.grad_partial = arena_.data();
-  ExpectRejected("grad_partial == partial", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_partial", "partial"});
-  p = P2Backward();
-  p.grad_out = arena_.data();
-  p.grad_query_out = arena_.data() + 4;
-  ExpectRejected("grad_query_out overlaps grad_out", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_query_out", "grad_out"});
-  p = P2Backward();
-  p.query_lse = arena_.data();
-  p.grad_query_lse = arena_.data() + 1;
-  ExpectRejected("grad_query_lse overlaps query_lse", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_query_lse", "query_lse"});
-  p = P2Backward();
-  p.grad_norm_weight = gw2_.data();
-  ExpectRejected("grad_norm_weight == grad_proj_weight", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_norm_weight", "grad_proj_weight"});
-  p = P2Backward();
-  p.norm_weight = arena_.data();
-  p.grad_gamma = arena_.data() + 2;
-  ExpectRejected("grad_gamma overlaps norm_weight", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_gamma", "norm_weight"});
-  p = P2Backward();
-  p.grad_query_lse = gp_.data() + 3;
-  ExpectRejected("grad_query_lse inside grad_partial", call, &p, ATTNRES_ERROR_OVERLAP, {"grad_query_lse", "grad_partial"});
+  ExpectRules(call, P2Backward(), {
+      {"grad_partial overlaps grad_query_out", [&](attnres_params& p) { p.grad_partial = gq_.data() + 1; }, ATTNRES_ERROR_OVERLAP, {"grad_partial", "grad_query_out"}},
+      {"grad_partial == partial", [&](attnres_params& p) { p.partial = arena_.data(); p.grad_partial = arena_.data(); }, ATTNRES_ERROR_OVERLAP, {"grad_partial", "partial"}},
+      {"grad_query_out overlaps grad_out", [&](attnres_params& p) { p.grad_out = arena_.data(); p.grad_query_out = arena_.data() + 4; }, ATTNRES_ERROR_OVERLAP, {"grad_query_out", "grad_out"}},
+      {"grad_query_lse overlaps query_lse", [&](attnres_params& p) { p.query_lse = arena_.data(); p.grad_query_lse = arena_.data() + 1; }, ATTNRES_ERROR_OVERLAP, {"grad_query_lse", "query_lse"}},
+      {"grad_norm_weight == grad_proj_weight", [&](attnres_params& p) { p.grad_norm_weight = gw2_.data(); }, ATTNRES_ERROR_OVERLAP, {"grad_norm_weight", "grad_proj_weight"}},
+      {"grad_gamma overlaps norm_weight", [&](attnres_params& p) { p.norm_weight = arena_.data(); p.grad_gamma = arena_.data() + 2; }, ATTNRES_ERROR_OVERLAP, {"grad_gamma", "norm_weight"}},
+      {"grad_query_lse inside grad_partial", [&](attnres_params& p) { p.grad_query_lse = gp_.data() + 3; }, ATTNRES_ERROR_OVERLAP, {"grad_query_lse", "grad_partial"}},
+  });
 }
 
 // The fused partial-block update (ABI 3): what it needs, where it may not point.
@@ -1589,49 +839,33 @@ TEST_F(TwoPhaseValidation, FusedUpdateRules) {
   ASSERT_EQ(attnres_phase2_backward(&p), ATTNRES_OK) << attnres_last_error();
 
   const Call forward = attnres_phase2_forward;
-  p = P2FusedForward();
-  p.partial = nullptr;
-  ExpectRejected("partial_update without partial", forward, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"partial_update"});
-  p = P2FusedForward();
-  p.new_partial = nullptr;
-  ExpectRejected("new_partial NULL", forward, &p, ATTNRES_ERROR_NULL_POINTER, {"new_partial"});
-  p = P2Forward();
-  p.new_partial = new_partial_.data();
-  ExpectRejected("new_partial without partial_update", forward, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"new_partial", "partial_update"});
-  p = P2FusedForward();
-  p.partial = arena_.data();
-  p.new_partial = arena_.data() + kD;
-  ExpectRejected("new_partial overlaps partial", forward, &p, ATTNRES_ERROR_OVERLAP, {"new_partial", "partial"});
-  p = P2FusedForward();
-  p.partial_update = arena_.data();
-  p.new_partial = arena_.data();
-  ExpectRejected("new_partial == partial_update", forward, &p, ATTNRES_ERROR_OVERLAP, {"new_partial", "partial_update"});
-  p = P2FusedForward();
-  p.new_partial = out2_.data() + 1;
-  ExpectRejected("new_partial overlaps out", forward, &p, ATTNRES_ERROR_OVERLAP, {"new_partial", "out"});
+  const Floats wide_grad_out(kT * 2 * kD, 0.5f);
+  ExpectRules(forward, P2FusedForward(), {
+      {"partial_update without partial", [&](attnres_params& p) { p.partial = nullptr; }, ATTNRES_ERROR_INVALID_ARGUMENT, {"partial_update"}},
+      {"new_partial NULL", [&](attnres_params& p) { p.new_partial = nullptr; }, ATTNRES_ERROR_NULL_POINTER, {"new_partial"}},
+  });
+  ExpectRules(forward, P2Forward(), {
+      {"new_partial without partial_update", [&](attnres_params& p) { p.new_partial = new_partial_.data(); }, ATTNRES_ERROR_INVALID_ARGUMENT, {"new_partial", "partial_update"}},
+  });
+  ExpectRules(forward, P2FusedForward(), {
+      {"new_partial overlaps partial", [&](attnres_params& p) { p.partial = arena_.data(); p.new_partial = arena_.data() + kD; }, ATTNRES_ERROR_OVERLAP, {"new_partial", "partial"}},
+      {"new_partial == partial_update", [&](attnres_params& p) { p.partial_update = arena_.data(); p.new_partial = arena_.data(); }, ATTNRES_ERROR_OVERLAP, {"new_partial", "partial_update"}},
+      {"new_partial overlaps out", [&](attnres_params& p) { p.new_partial = out2_.data() + 1; }, ATTNRES_ERROR_OVERLAP, {"new_partial", "out"}},
+  });
 
   const Call backward = attnres_phase2_backward;
-  p = P2Backward();
-  p.partial_update = update_.data();
-  ExpectRejected("partial_update in the backward", backward, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"partial_update", "new_partial"});
-  p = P2Backward();
-  p.grad_partial = nullptr;
-  p.grad_partial_in = gin_.data();
-  ExpectRejected("grad_partial_in without grad_partial", backward, &p, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_partial_in"});
-  p = P2Backward();
-  p.grad_partial_in = gp_.data();
-  ExpectRejected("grad_partial_in == grad_partial", backward, &p, ATTNRES_ERROR_OVERLAP, {"grad_partial", "grad_partial_in"});
+  ExpectRules(backward, P2Backward(), {
+      {"partial_update in the backward", [&](attnres_params& p) { p.partial_update = update_.data(); }, ATTNRES_ERROR_INVALID_ARGUMENT, {"partial_update", "new_partial"}},
+      {"grad_partial_in without grad_partial", [&](attnres_params& p) { p.grad_partial = nullptr; p.grad_partial_in = gin_.data(); }, ATTNRES_ERROR_INVALID_ARGUMENT, {"grad_partial_in"}},
+      {"grad_partial_in == grad_partial", [&](attnres_params& p) { p.grad_partial_in = gp_.data(); }, ATTNRES_ERROR_OVERLAP, {"grad_partial", "grad_partial_in"}},
+  });
   // grad_partial_in's rows are grad_out_row_stride apart: with 2 kD its last row reaches
   // past element 4 * 2 kD, where grad_query_out now starts.
-  p = P2Backward();
-  p.grad_out_row_stride = 2 * kD;
-  // grad_out's rows now span 2 kD each: its own buffer of that size, or the checks
-  // would find it reaching into whatever the heap put after g2_ (on aarch64, grad_gamma).
-  const Floats wide_grad_out(kT * 2 * kD, 0.5f);
-  p.grad_out = wide_grad_out.data();
-  p.grad_partial_in = arena_.data();
-  p.grad_query_out = arena_.data() + 4 * 2 * kD;
-  ExpectRejected("grad_partial_in's rows follow grad_out_row_stride", backward, &p, ATTNRES_ERROR_OVERLAP, {"grad_query_out", "grad_partial_in"});
+  ExpectRules(backward, P2Backward(), {
+      // grad_out's rows now span 2 kD each: its own buffer of that size, or the checks
+      // would find it reaching into whatever the heap put after g2_ (on aarch64, grad_gamma).
+      {"grad_partial_in's rows follow grad_out_row_stride", [&](attnres_params& p) { p.grad_out_row_stride = 2 * kD; p.grad_out = wide_grad_out.data(); p.grad_partial_in = arena_.data(); p.grad_query_out = arena_.data() + 4 * 2 * kD; }, ATTNRES_ERROR_OVERLAP, {"grad_query_out", "grad_partial_in"}},
+  });
 }
 
 // The harness behind `attnres run --queries S` (src/ref/harness.h): its phase 1 case

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -458,6 +459,12 @@ void ResetOutput(Buffer* b) {
   b->Upload();
 }
 
+int64_t ElementAt(const std::vector<int64_t>& v, int64_t i) {
+  return i < static_cast<int64_t>(v.size()) ? v[i] : 0;
+}
+
+}  // namespace
+
 // Waits for every call on the device, whatever its stream, and reports an error
 // that surfaced asynchronously.
 void Synchronize(attnres_device device) {
@@ -470,12 +477,6 @@ void Synchronize(attnres_device device) {
   (void)device;
 #endif
 }
-
-int64_t ElementAt(const std::vector<int64_t>& v, int64_t i) {
-  return i < static_cast<int64_t>(v.size()) ? v[i] : 0;
-}
-
-}  // namespace
 
 AbiProblem::AbiProblem(const Case& c, const attnres::ref::Problem& p, attnres_device device,
                        const Placement& at)
@@ -717,6 +718,34 @@ bool AbiProblem::OutputsUntouched() {
 // ---------------------------------------------------------------------------
 // Comparison.
 
+namespace {
+
+struct CheckCount {
+  size_t checks = 0, elements = 0;
+};
+CheckCount& Counted() {
+  static CheckCount count;
+  return count;
+}
+
+class CheckCountReport : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    if (std::getenv("ATTNRES_COUNT_CHECKS") == nullptr) return;
+    std::printf("attnres checks: %zu comparisons of %zu elements\n", Counted().checks,
+                Counted().elements);
+  }
+};
+::testing::Environment* const kCheckCountReport =
+    ::testing::AddGlobalTestEnvironment(new CheckCountReport);
+
+}  // namespace
+
+void CountCheck(size_t elements) {
+  ++Counted().checks;
+  Counted().elements += elements;
+}
+
 double RelMaxError(const std::vector<double>& actual,
                    const std::vector<double>& expected) {
   if (actual.size() != expected.size()) return std::numeric_limits<double>::infinity();
@@ -738,6 +767,7 @@ double RelMaxError(const std::vector<double>& actual,
 ::testing::AssertionResult Close(const std::string& what,
                                  const std::vector<double>& actual,
                                  const std::vector<double>& expected, double tol) {
+  CountCheck(expected.size());
   const double err = RelMaxError(actual, expected);
   if (err <= tol) return ::testing::AssertionSuccess();
   auto fail = ::testing::AssertionFailure();
@@ -871,6 +901,7 @@ ScopedEnv::~ScopedEnv() {
 }
 
 bool BitwiseEqual(const std::vector<double>& a, const std::vector<double>& b) {
+  CountCheck(b.size());
   return a.size() == b.size() &&
          (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0);
 }

@@ -229,6 +229,10 @@ struct BackwardOutput {
   std::string layout_error;
 };
 
+// Waits for every call on the device, whatever its stream, and reports an error
+// that surfaced asynchronously (nothing to wait for on the CPU).
+void Synchronize(attnres_device device);
+
 // Where the device twins of a CUDA problem start, in elements past their
 // 256-byte aligned allocations: misaligned pointers on purpose. The CPU
 // backend ignores it.
@@ -319,6 +323,11 @@ class AbiProblem {
 // expected is finite.
 double RelMaxError(const std::vector<double>& actual,
                    const std::vector<double>& expected);
+
+// Every comparison the shared helpers make is counted: with ATTNRES_COUNT_CHECKS
+// set, the test program prints how many (and how many elements they compared)
+// when it ends, so that a refactor of the tests can show it checks no less.
+void CountCheck(size_t elements);
 
 // EXPECT_TRUE(Close("out", a, e, 1e-5)) prints the worst element on failure.
 ::testing::AssertionResult Close(const std::string& what,

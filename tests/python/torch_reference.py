@@ -23,21 +23,30 @@ Backward, with g = dLoss/dh:
     dw     = scale * sum_{t,i} gz_i * k_i
     dgamma = sum_{t,i} gk_i * v_i / r_i                                               (on)
 """
+import re
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 import torch
 
 F64 = torch.float64
 
-# SPEC section 3 (the C++ copy: src/ref/reference.h SpecTolerance): per dtype, (h, every
-# gradient, the accumulation-type caches) as max|x - ref| / max|ref|, 16-bit inputs
-# against the reference fed the same 16-bit values.
-TOLERANCE = {
-    torch.float32: (1e-5, 1e-4, 1e-5),
-    torch.float64: (1e-10, 1e-10, 1e-10),
-    torch.bfloat16: (8e-3, 1e-2, 1e-5),
-    torch.float16: (1e-3, 1e-2, 1e-5),
-}
+
+def _spec_tolerance() -> dict:
+    """SPEC section 3's table, read from its one copy, src/ref/tolerance_table.h: per
+    dtype, (h, every gradient, the accumulation-type caches) as max|x - ref| / max|ref|,
+    16-bit inputs against the reference fed the same 16-bit values."""
+    table = Path(__file__).resolve().parents[2] / "src" / "ref" / "tolerance_table.h"
+    rows = re.findall(r"^ATTNRES_TOLERANCE\((\w+),([^,]+),([^,]+),([^)]+)\)",
+                      table.read_text(), re.MULTILINE)
+    tolerance = {getattr(torch, name.lower()): tuple(float(x) for x in values)
+                 for name, *values in rows}
+    if set(tolerance) != {torch.float32, torch.float64, torch.bfloat16, torch.float16}:
+        raise RuntimeError(f"{table}: expected one ATTNRES_TOLERANCE line per dtype")
+    return tolerance
+
+
+TOLERANCE = _spec_tolerance()
 
 
 def _f64(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
