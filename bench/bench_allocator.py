@@ -50,7 +50,7 @@ SETTINGS = [
 def measure(tokens: int, dim: int, sources: int, repeat: int, threads: int) -> dict:
     """One setting, in this process: medians in ms and the bytes each call moves."""
     import torch
-    import attnres
+    import block_attnres as attnres
 
     torch.set_num_threads(threads)
     attnres.set_num_threads(threads)

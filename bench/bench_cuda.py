@@ -37,7 +37,7 @@ DTYPES = {"bf16": (torch.bfloat16, 2), "f16": (torch.float16, 3), "f32": (torch.
 
 
 # --- The C ABI ------------------------------------------------------------------
-# The ctypes mirror of attnres_params lives in the package (python/attnres/_native.py);
+# The ctypes mirror of attnres_params lives in the package (python/block_attnres/_native.py);
 # run with PYTHONPATH=python (scripts/gpu_check.sh does) so that no installed
 # package is needed. _native loads the library named by ATTNRES_LIBRARY.
 Params = None  # bound in main() once --lib is known
@@ -183,7 +183,7 @@ def two_phase_rows(args, torch_dtype, elem, bw):
     Minimal bytes per token: phase 1 forward reads N*D, writes S*D (+ S fp32 LSEs);
     backward reads N*D + S*D (+ S LSE gradients), writes N*D. Phase 2 forward reads
     o, p, writes h (3*D); backward reads grad, o, p, writes grad_o, grad_p (5*D)."""
-    from attnres import two_phase as tp  # noqa: E402 - needs ATTNRES_LIBRARY set
+    from block_attnres.ops import phase1, phase2  # noqa: E402 - needs ATTNRES_LIBRARY set
     rows, T = [], args.two_phase_tokens
     for shape in args.two_phase.split(","):
         N, S, D = (int(x) for x in shape.split("x"))
@@ -194,32 +194,34 @@ def two_phase_rows(args, torch_dtype, elem, bw):
                                      ).to(torch_dtype)
         blocks = [rand(T, D) for _ in range(N)]
         w, gamma = rand(S, D, std=D ** -0.5), 1 + rand(S, D, std=0.1)
-        kw = dict(eps=1e-6, scale=1.0, rmsnorm=True)
-        outs, lses = tp.phase1_forward(blocks, w, gamma, **kw)
+        attrs = (1e-6, 1.0, True)  # eps, scale, rmsnorm
+        result = phase1.forward(blocks, w, gamma, *attrs)
+        outs, lses = result[:S], result[S:]
         grad_outs = [rand(T, D) for _ in range(S)]
         grad_lses = [torch.randn(T, device="cuda", generator=gen) for _ in range(S)]
-        ms = time_cuda(lambda: tp.phase1_forward(blocks, w, gamma, **kw))
+        ms = time_cuda(lambda: phase1.forward(blocks, w, gamma, *attrs))
         gbps = ((N + S) * D * elem + 4 * S) * T / ms / 1e6
         row["phase1_fwd_ms"], row["phase1_fwd_frac_of_read_bw"] = ms, gbps / bw["read_GBps"]
-        ms = time_cuda(lambda: tp.phase1_backward(grad_outs, grad_lses, blocks, w, gamma, **kw))
+        ms = time_cuda(lambda: phase1.gradients("phase1", grad_outs, grad_lses, blocks, w, gamma,
+                                                *attrs))
         gbps = ((2 * N + S) * D * elem + 4 * S) * T / ms / 1e6
         row["phase1_bwd_ms"], row["phase1_bwd_frac_of_copy_bw"] = ms, gbps / bw["copy_GBps"]
-        runs = [tp.phase1_backward(grad_outs, grad_lses, blocks, w, gamma, **kw)[1:]
+        runs = [phase1.gradients("phase1", grad_outs, grad_lses, blocks, w, gamma, *attrs)[1:]
                 for _ in range(2)]
         row["phase1_weight_grads_bitwise_equal"] = all(
             torch.equal(a, b) for a, b in zip(*runs))
         # Phase 2 of the last query with a partial block and the input RMSNorm.
         p, nw, grad = rand(T, D), 1 + rand(D, std=0.1), rand(T, D)
-        kw2 = dict(kw, norm_weight=nw, input_norm=True)
+        attrs2 = (*attrs, True, 1e-6)  # then input_norm, norm_eps
         o, lse, wq, gq = outs[-1], lses[-1], w[-1], gamma[-1]
-        ms = time_cuda(lambda: tp.phase2_forward(o, lse, p, wq, gq, **kw2))
+        ms = time_cuda(lambda: phase2.forward(o, lse, p, wq, gq, nw, *attrs2))
         gbps = (3 * D * elem + 4) * T / ms / 1e6
         row["phase2_fwd_ms"], row["phase2_fwd_frac_of_copy_bw"] = ms, gbps / bw["copy_GBps"]
-        ms = time_cuda(lambda: tp.phase2_backward(grad, o, lse, p, wq, gq, **kw2))
+        ms = time_cuda(lambda: phase2.gradients("phase2", grad, o, lse, p, wq, gq, nw, *attrs2))
         gbps = (5 * D * elem + 8) * T / ms / 1e6
         row["phase2_bwd_ms"], row["phase2_bwd_frac_of_copy_bw"] = ms, gbps / bw["copy_GBps"]
         print(json.dumps(row), file=sys.stderr)
-        del blocks, outs, lses, grad_outs, grad_lses, runs
+        del blocks, result, outs, lses, grad_outs, grad_lses, runs
         torch.cuda.empty_cache()
     return rows
 
@@ -245,7 +247,7 @@ def main():
     global Params, ABI_VERSION
     os.environ["ATTNRES_LIBRARY"] = args.lib
     # Importing _native also checks its mirror of attnres_params against the library.
-    from attnres._native import _Params as Params, _ABI_VERSION as ABI_VERSION  # noqa: E402
+    from block_attnres._native import _Params as Params, _ABI_VERSION as ABI_VERSION  # noqa: E402
     native = Native(args.lib)
     if not native.lib.attnres_cuda_available():
         print(json.dumps({"error": "attnres_cuda_available() == 0"}))

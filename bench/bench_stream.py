@@ -35,9 +35,9 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-import attnres
-from attnres.ops import phase1
-from attnres.nn import BlockAttnResStream
+import block_attnres as attnres
+from block_attnres.ops import phase1
+from block_attnres.nn import BlockAttnResStream
 
 SHAPES = {
     "48b": dict(dim=2304, num_sublayers=54, block_size=6, tokens=4096),

@@ -49,8 +49,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-import attnres
-from attnres.ops import block_attn_res
+import block_attnres as attnres
+from block_attnres.ops import block_attn_res
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 FULL_DIMS = (512, 1536, 4096)

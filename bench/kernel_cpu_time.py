@@ -11,8 +11,8 @@ import time
 
 import torch
 
-import attnres
-from attnres.ops import block_attn_res
+import block_attnres as attnres
+from block_attnres.ops import block_attn_res
 
 
 def main() -> None:

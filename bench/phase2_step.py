@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-import attnres
+import block_attnres as attnres
 from bench_torch import stream_bandwidth, time_ms
 
 

@@ -21,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
-import attnres  # noqa: E402
+import block_attnres as attnres  # noqa: E402
 from model_reference import embedding_favouring_stream, reference_block_attn_res  # noqa: E402
 
 F32, F64 = torch.float32, torch.float64

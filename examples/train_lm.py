@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import attnres
-from attnres.nn import BlockAttnRes
+import block_attnres as attnres
+from block_attnres.nn import BlockAttnRes
 
 try:
     from tqdm import tqdm

@@ -13,4 +13,4 @@ if ! log=$(python3 -m pip install -q --no-build-isolation \
   echo "$log"
   exit 1
 fi
-python3 -c "import attnres" # fails loudly if the install did not work
+python3 -c "import block_attnres, attnres" # fails loudly if the install (or its alias) did not work

@@ -68,7 +68,7 @@ class ReferenceBlockAttnRes(nn.Module):
 
 def make_attn_res(impl: str, dim: int, **kwargs) -> nn.Module:
     if impl == "native":
-        from attnres.nn import BlockAttnRes
+        from block_attnres.nn import BlockAttnRes
         return BlockAttnRes(dim, **kwargs)
     if impl == "reference":
         return ReferenceBlockAttnRes(dim, **kwargs)
@@ -182,7 +182,7 @@ def embedding_favouring_stream(schedule: str, dim: int = 16, num: int = 3):
     favours the embedding (keys near +1) by a logit gap of 20-26, so the partial block
     keeps a weight of 1e-12 to 1e-9 in the final mix. Returns (res, layers, embedding,
     grad_y)."""
-    from attnres.nn import BlockAttnResStream
+    from block_attnres.nn import BlockAttnResStream
 
     g = torch.Generator().manual_seed(4)
     res = BlockAttnResStream(dim, num, num + 1, schedule=schedule, input_norm=True)

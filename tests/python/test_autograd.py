@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-import attnres.ops as ops
-from attnres.functional import block_attn_res_fn
+import block_attnres.ops as ops
+from block_attnres.functional import block_attn_res_fn
 from model_reference import reference_block_attn_res
 from torch_reference import TOLERANCE
 

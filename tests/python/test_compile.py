@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import attnres.ops  # noqa: F401  (registers torch.ops.attnres.*)
-from attnres.nn import BlockAttnRes
-from attnres.functional import block_attn_res_fn
+import block_attnres.ops  # noqa: F401  (registers torch.ops.attnres.*)
+from block_attnres.nn import BlockAttnRes
+from block_attnres.functional import block_attn_res_fn
 from model_reference import TinyAttnResLM, lm_loss, randomize_attn_res
 
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 from torch import nn
 
-import attnres
-from attnres import block_attn_res_fn, block_attn_res_phase1, block_attn_res_phase2
-from attnres.nn import BlockAttnRes, BlockAttnResStream
+import block_attnres as attnres
+from block_attnres import block_attn_res_fn, block_attn_res_phase1, block_attn_res_phase2
+from block_attnres.nn import BlockAttnRes, BlockAttnResStream
 from model_reference import reference_block_attn_res
 from torch_reference import TOLERANCE, reference_phase1, reference_phase2, rel_err
 

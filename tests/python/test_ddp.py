@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import attnres
+import block_attnres as attnres
 from model_reference import TinyAttnResLM, lm_loss, randomize_attn_res
 
 WORLD_SIZE = 2

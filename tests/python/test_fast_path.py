@@ -24,10 +24,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.overrides import TorchFunctionMode
 
-import attnres
-from attnres import _native, block_attn_res_fn, block_attn_res_phase1, block_attn_res_phase2
-from attnres.nn import BlockAttnRes, BlockAttnResStream
-from attnres.ops import custom_op_calls
+import block_attnres as attnres
+from block_attnres import _native, block_attn_res_fn, block_attn_res_phase1, block_attn_res_phase2
+from block_attnres.nn import BlockAttnRes, BlockAttnResStream
+from block_attnres.ops import custom_op_calls
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 DTYPE_IDS = ["bf16", "f16", "f32", "f64"]

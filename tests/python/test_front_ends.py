@@ -10,10 +10,10 @@ import re
 import pytest
 import torch
 
-import attnres
-import attnres.compat
-import attnres.functional
-from attnres.nn import BlockAttnRes
+import block_attnres as attnres
+import block_attnres.compat
+import block_attnres.functional
+from block_attnres.nn import BlockAttnRes
 
 B, T, D = 2, 3, 8
 

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-import attnres
+import block_attnres as attnres
 
 from conftest import assert_bitwise_unchanged, clone_tree
 

@@ -7,9 +7,9 @@ import io
 import pytest
 import torch
 
-import attnres.ops as ops
-from attnres.nn import BlockAttnRes
-from attnres.functional import block_attn_res_fn
+import block_attnres.ops as ops
+from block_attnres.nn import BlockAttnRes
+from block_attnres.functional import block_attn_res_fn
 from model_reference import TinyAttnResLM, lm_loss, randomize_attn_res
 
 

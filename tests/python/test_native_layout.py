@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 
-from attnres import _native
+from block_attnres import _native
 
 
 def library_layout():

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-import attnres
+import block_attnres as attnres
 from torch_reference import (
     TOLERANCE,
     reference_backward,

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-import attnres
+import block_attnres as attnres
 from torch_reference import reference_forward
 
 B, T, D, N = 2, 3, 5, 3  # distinct sizes, so a shape in a message is unambiguous

@@ -18,7 +18,7 @@ import copy
 import pytest
 import torch
 
-from attnres import block_attn_res_fn, block_attn_res_phase1, block_attn_res_phase2
+from block_attnres import block_attn_res_fn, block_attn_res_phase1, block_attn_res_phase2
 from model_reference import embedding_favouring_stream, reference_block_attn_res
 from torch_reference import TOLERANCE, rel_err
 

@@ -16,11 +16,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-import attnres.stream as stream_module
-from attnres.nn import BlockAttnResStream
-from attnres.ops import phase1
-from attnres.two_phase import block_attn_res_phase1
-from attnres.ops import custom_op_calls
+import block_attnres.stream as stream_module
+from block_attnres.nn import BlockAttnResStream
+from block_attnres.ops import phase1
+from block_attnres.two_phase import block_attn_res_phase1
+from block_attnres.ops import custom_op_calls
 from model_reference import reference_block_attn_res
 from torch_reference import TOLERANCE, rel_err
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-import attnres
+import block_attnres as attnres
 
 WORLD_SIZE = 2
 BATCH = 4

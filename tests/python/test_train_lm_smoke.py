@@ -95,7 +95,7 @@ def test_stream_equals_modules(scheme):
     """--attnres-impl stream (attnres.nn.BlockAttnResStream, two-phase schedule) and
     --attnres-impl modules (one BlockAttnRes per sub-layer) are one model: from the same
     init they give the same loss and gradients on a batch, up to fp32 rounding."""
-    import attnres.nn
+    import block_attnres as attnres
     if not hasattr(attnres.nn, "BlockAttnResStream"):
         pytest.skip("this attnres has no BlockAttnResStream")
     train_lm = import_train_lm()

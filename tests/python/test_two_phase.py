@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import attnres
-from attnres import block_attn_res_phase1, block_attn_res_phase2
-from attnres.ops import custom_op_calls
+import block_attnres as attnres
+from block_attnres import block_attn_res_phase1, block_attn_res_phase2
+from block_attnres.ops import custom_op_calls
 from model_reference import reference_block_attn_res
 from torch_reference import TOLERANCE, reference_phase1, reference_phase2, rel_err
 
