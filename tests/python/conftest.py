@@ -19,14 +19,15 @@ GOLDEN_PATH = os.path.join(DATA_DIR, "block_attn_res_f64.json")
 
 
 # The tests `scripts/test.sh --quick` leaves out (pytest -m "not slow"): each spends
-# seconds in training runs, worker processes with a process group, or compiled
-# autograd, while the fast tests cover the same code paths on small problems. An
-# entry "file::function" covers every parametrization of the function; the full run
-# (scripts/test.sh, CI) runs them all.
+# seconds in training runs, worker processes with a process group, compiled autograd
+# or thousands of fuzz cases, while the fast tests cover the same code paths on small
+# problems. An entry "file::function" covers every parametrization of the function;
+# the full run (scripts/test.sh, CI) runs them all.
 SLOW_TESTS = (
     "test_train_lm_smoke.py::test_quick_run_learns",
     "test_train_lm_smoke.py::test_resume_is_bit_identical",
     "test_train_lm_smoke.py::test_plot_writes_png",
+    "test_fuzz_seed_api.py::test_seed_api_fuzz",
     "test_stream.py::test_compiled_autograd_backward_of_an_eager_stream",
     "test_ddp.py::test_ddp_one_step_matches_single_process",
     "test_stream_distributed.py::test_stream_one_step_matches_single_process",
