@@ -32,24 +32,15 @@ void AddCaches(Validator& v, const attnres_params* p, bool are_outputs) {
   v.AddRows(p->alpha_cache, p->num_tokens, L, L, acc, "alpha_cache", are_outputs);
 }
 
-}  // namespace
-
-attnres_status Forward(const attnres_params* p) {
-  Validator v("attnres_forward");
-  Inputs(v, p);
-  if (v.ok()) {
-    v.RequiredRows(p->out, p->num_tokens, p->out_row_stride, p->dim, ElementBytes(p->dtype),
-                   "out", "out_row_stride", true);
-    AddCaches(v, p, /*are_outputs=*/true);
-    v.NoOverlap();
-  }
-  return v.Finish();
+// attnres_forward: out, and the caches as outputs.
+void ForwardOutputs(Validator& v, const attnres_params* p) {
+  v.RequiredRows(p->out, p->num_tokens, p->out_row_stride, p->dim, ElementBytes(p->dtype), "out",
+                 "out_row_stride", true);
+  AddCaches(v, p, /*are_outputs=*/true);
 }
 
-attnres_status Backward(const attnres_params* p) {
-  Validator v("attnres_backward");
-  Inputs(v, p);
-  if (!v.ok()) return v.Finish();
+// attnres_backward: grad_out and the caches in, the gradients out.
+void BackwardOutputs(Validator& v, const attnres_params* p) {
   ValidateGradOut(v, p);
   const bool any_source_grad =
       (p->grad_partial != nullptr && p->partial != nullptr) || AnyGradBlock(p);
@@ -60,8 +51,16 @@ attnres_status Backward(const attnres_params* p) {
   v.AddRows(p->grad_partial, p->num_tokens, p->grad_source_row_stride, p->dim,
             ElementBytes(p->dtype), "grad_partial", true);
   AddWeightGrads(v, p, 1);
-  v.NoOverlap();
-  return v.Finish();
+}
+
+}  // namespace
+
+attnres_status Forward(const attnres_params* p) {
+  return Run("attnres_forward", p, Inputs, ForwardOutputs);
+}
+
+attnres_status Backward(const attnres_params* p) {
+  return Run("attnres_backward", p, Inputs, BackwardOutputs);
 }
 
 }  // namespace attnres::validate

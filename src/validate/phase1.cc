@@ -31,12 +31,8 @@ bool AnyGradOut(const attnres_params* p) {
   return false;
 }
 
-}  // namespace
-
-attnres_status Phase1Forward(const attnres_params* p) {
-  Validator v("attnres_phase1_forward");
-  Inputs(v, p);
-  if (!v.ok()) return v.Finish();
+// attnres_phase1_forward: each query's output and LSE.
+void ForwardOutputs(Validator& v, const attnres_params* p) {
   v.NotNull(p->query_outs, "query_outs");
   v.NotNull(p->query_lses, "query_lses");
   v.RowStride(p->out_row_stride, p->dim, "out_row_stride");
@@ -49,18 +45,15 @@ attnres_status Phase1Forward(const attnres_params* p) {
               Name("query_outs", s), true);
     AddColumn(v, p, p->query_lses[s], Name("query_lses", s), true);
   }
-  v.NoOverlap();
-  return v.Finish();
 }
 
-attnres_status Phase1Backward(const attnres_params* p) {
-  Validator v("attnres_phase1_backward");
-  Inputs(v, p);
-  if (!v.ok()) return v.Finish();
+// attnres_phase1_backward: the queries' output and LSE gradients in, the block and
+// weight gradients out.
+void BackwardOutputs(Validator& v, const attnres_params* p) {
   v.NotNull(p->grad_query_outs, "grad_query_outs");
   v.Flag(p->accumulate_grads, "accumulate_grads");
   CheckGradGamma(v, p);
-  if (!v.ok()) return v.Finish();
+  if (!v.ok()) return;
   if (AnyGradOut(p)) v.RowStride(p->grad_out_row_stride, p->dim, "grad_out_row_stride");
   if (AnyGradBlock(p)) v.RowStride(p->grad_source_row_stride, p->dim, "grad_source_row_stride");
   for (int64_t s = 0; s < p->num_queries; ++s) {
@@ -72,8 +65,16 @@ attnres_status Phase1Backward(const attnres_params* p) {
   }
   AddGradBlocks(v, p);
   AddWeightGrads(v, p, p->num_queries);
-  v.NoOverlap();
-  return v.Finish();
+}
+
+}  // namespace
+
+attnres_status Phase1Forward(const attnres_params* p) {
+  return Run("attnres_phase1_forward", p, Inputs, ForwardOutputs);
+}
+
+attnres_status Phase1Backward(const attnres_params* p) {
+  return Run("attnres_phase1_backward", p, Inputs, BackwardOutputs);
 }
 
 }  // namespace attnres::validate

@@ -60,23 +60,15 @@ void BackwardFlags(Validator& v, const attnres_params* p) {
           "grad_partial_in must be NULL when grad_partial is NULL (it is added into grad_partial)");
 }
 
-}  // namespace
-
-attnres_status Phase2Forward(const attnres_params* p) {
-  Validator v("attnres_phase2_forward");
-  Inputs(v, p);
-  if (!v.ok()) return v.Finish();
+// attnres_phase2_forward: out, and the fused update.
+void ForwardOutputs(Validator& v, const attnres_params* p) {
   v.RequiredRows(p->out, p->num_tokens, p->out_row_stride, p->dim, ElementBytes(p->dtype), "out",
                  "out_row_stride", true);
   FusedUpdate(v, p);
-  v.NoOverlap();
-  return v.Finish();
 }
 
-attnres_status Phase2Backward(const attnres_params* p) {
-  Validator v("attnres_phase2_backward");
-  Inputs(v, p);
-  if (!v.ok()) return v.Finish();
+// attnres_phase2_backward: grad_out (and grad_partial_in) in, the gradients out.
+void BackwardOutputs(Validator& v, const attnres_params* p) {
   const int64_t elem = ElementBytes(p->dtype), rows = p->num_tokens, dim = p->dim;
   ValidateGradOut(v, p);
   BackwardFlags(v, p);
@@ -89,8 +81,16 @@ attnres_status Phase2Backward(const attnres_params* p) {
   AddColumn(v, p, p->grad_query_lse, "grad_query_lse", true);
   AddWeightGrads(v, p, 1);
   v.AddRows(p->grad_norm_weight, 1, dim, dim, elem, "grad_norm_weight", true);
-  v.NoOverlap();
-  return v.Finish();
+}
+
+}  // namespace
+
+attnres_status Phase2Forward(const attnres_params* p) {
+  return Run("attnres_phase2_forward", p, Inputs, ForwardOutputs);
+}
+
+attnres_status Phase2Backward(const attnres_params* p) {
+  return Run("attnres_phase2_backward", p, Inputs, BackwardOutputs);
 }
 
 }  // namespace attnres::validate

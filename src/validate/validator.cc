@@ -73,6 +73,14 @@ void Validator::NoOverlap() {
   }
 }
 
+attnres_status Run(const char* function, const attnres_params* p, Rules inputs, Rules outputs) {
+  Validator v(function);
+  inputs(v, p);
+  if (v.ok()) outputs(v, p);
+  v.NoOverlap();
+  return v.Finish();
+}
+
 void ValidateHeader(Validator& v, const attnres_params* p) {
   v.NotNull(p, "params");
   if (!v.ok()) return;
