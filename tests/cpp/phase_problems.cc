@@ -111,18 +111,6 @@ std::string Phase1Case::Describe() const {
   return s.str();
 }
 
-Phase1Case Phase1Of(attnres_dtype dtype, int64_t tokens, int64_t dim, int64_t blocks,
-                    int64_t queries, uint64_t seed) {
-  Phase1Case c;
-  c.dtype = dtype;
-  c.tokens = tokens;
-  c.dim = dim;
-  c.blocks = blocks;
-  c.queries = queries;
-  c.seed = seed;
-  return c;
-}
-
 Phase1Abi::Phase1Abi(const Phase1Case& c, attnres_device device) : c_(c), device_(device) {
   MakeValues(c);
   MakeBuffers(c);
@@ -297,15 +285,6 @@ std::string Phase2Case::Describe() const {
     << " pads=" << source_pad << "/" << out_pad << "/" << grad_out_pad << "/" << grad_source_pad
     << " offset=" << offset << " seed=" << seed;
   return s.str();
-}
-
-Phase2Case Phase2Of(attnres_dtype dtype, int64_t tokens, int64_t dim, uint64_t seed) {
-  Phase2Case c;
-  c.dtype = dtype;
-  c.tokens = tokens;
-  c.dim = dim;
-  c.seed = seed;
-  return c;
 }
 
 Phase2Abi::Phase2Abi(const Phase2Case& c, attnres_device device) : c_(c), device_(device) {

@@ -62,6 +62,13 @@ class Rows {
   Buffer buf_;
 };
 
+// What every call returns: its status, attnres_last_error() when it failed, and
+// what it wrote where it should not (padding, guards, NULL outputs' buffers, inputs).
+struct CallResult {
+  attnres_status status = ATTNRES_OK;
+  std::string error, layout;
+};
+
 // ---------------------------------------------------------------------------
 // Phase 1.
 
@@ -77,12 +84,14 @@ struct Phase1Case {
   bool grad_lses_array_null = false; // grad_query_lses itself NULL
   uint64_t seed = 1;
 
+  Phase1Case() = default;
+  // These sizes, the rest as above.
+  Phase1Case(attnres_dtype dtype, int64_t tokens, int64_t dim, int64_t blocks, int64_t queries,
+             uint64_t seed)
+      : tokens(tokens), dim(dim), blocks(blocks), queries(queries), dtype(dtype), seed(seed) {}
+
   std::string Describe() const;
 };
-
-// A case of these sizes, the rest as Phase1Case's defaults.
-Phase1Case Phase1Of(attnres_dtype dtype, int64_t tokens, int64_t dim, int64_t blocks,
-                    int64_t queries, uint64_t seed);
 
 // What a phase 1 backward is given besides the case.
 struct Phase1Grads {
@@ -96,14 +105,10 @@ class Phase1Abi {
  public:
   explicit Phase1Abi(const Phase1Case& c, attnres_device device = ATTNRES_DEVICE_CPU);
 
-  struct Forward {
-    attnres_status status;
-    std::string error, layout;
+  struct Forward : CallResult {
     Vecs outs, lses;
   };
-  struct Backward {
-    attnres_status status;
-    std::string error, layout;
+  struct Backward : CallResult {
     Vecs grad_blocks;  // N, empty where the pointer was NULL
     Vec grad_w, grad_gamma;
   };
@@ -158,23 +163,22 @@ struct Phase2Case {
   // times o in size.
   double merge_gap = 0, partial_size = 1;
 
+  Phase2Case() = default;
+  // These sizes, the rest as above.
+  Phase2Case(attnres_dtype dtype, int64_t tokens, int64_t dim, uint64_t seed)
+      : tokens(tokens), dim(dim), dtype(dtype), seed(seed) {}
+
   std::string Describe() const;
 };
-
-Phase2Case Phase2Of(attnres_dtype dtype, int64_t tokens, int64_t dim, uint64_t seed);
 
 class Phase2Abi {
  public:
   explicit Phase2Abi(const Phase2Case& c, attnres_device device = ATTNRES_DEVICE_CPU);
 
-  struct Forward {
-    attnres_status status;
-    std::string error, layout;
+  struct Forward : CallResult {
     Vec out, new_partial;
   };
-  struct Backward {
-    attnres_status status;
-    std::string error, layout;
+  struct Backward : CallResult {
     // Empty where the pointer was NULL.
     Vec grad_out, grad_lse, grad_partial, grad_w, grad_gamma, grad_norm_weight;
   };

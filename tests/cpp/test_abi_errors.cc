@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <future>
+#include <functional>
 #include <limits>
 #include <random>
 #include <string>
@@ -226,6 +227,17 @@ class AbiErrors : public ::testing::Test {
     ExpectFailure(attnres_backward(&p), want, needles);
   }
 
+  // `edit` applied to a valid forward's and a valid backward's params: both fail alike.
+  void BothFail(const std::function<void(attnres_params&)>& edit, attnres_status want,
+                const std::vector<std::string>& needles) {
+    attnres_params p = pb_.ForwardParams();
+    edit(p);
+    ForwardFails(p, want, needles);
+    attnres_params b = pb_.BackwardParams();
+    edit(b);
+    BackwardFails(b, want, needles);
+  }
+
   Problem pb_;
   int num_messages_ = 0;
 };
@@ -284,37 +296,23 @@ TEST_F(AbiErrors, NullGradOut) {
 }
 
 TEST_F(AbiErrors, DimZeroOrNegative) {
+  BothFail([](attnres_params& p) { p.dim = 0; }, kInvalid, {"dim", "0"});
   attnres_params p = pb_.ForwardParams();
-  p.dim = 0;
-  ForwardFails(p, kInvalid, {"dim", "0"});
   p.dim = -2;
   ForwardFails(p, kInvalid, {"dim", "-2"});
-  attnres_params b = pb_.BackwardParams();
-  b.dim = 0;
-  BackwardFails(b, kInvalid, {"dim", "0"});
 }
 
 TEST_F(AbiErrors, NegativeNumTokens) {
-  attnres_params p = pb_.ForwardParams();
-  p.num_tokens = -3;
-  ForwardFails(p, kInvalid, {"num_tokens", "-3"});
-  attnres_params b = pb_.BackwardParams();
-  b.num_tokens = -3;
-  BackwardFails(b, kInvalid, {"num_tokens", "-3"});
+  BothFail([](attnres_params& p) { p.num_tokens = -3; }, kInvalid, {"num_tokens", "-3"});
 }
 
 TEST_F(AbiErrors, NoSources) {
-  attnres_params p = pb_.ForwardParams();
-  p.num_blocks = 0;
-  p.partial = nullptr;
-  p.rms_cache = p.alpha_cache = nullptr;  // their size would be 0 anyway
-  ForwardFails(p, kInvalid, {"num_blocks"});
-  attnres_params b = pb_.BackwardParams();
-  b.num_blocks = 0;
-  b.partial = nullptr;
-  b.grad_partial = nullptr;
-  b.rms_cache = b.alpha_cache = nullptr;
-  BackwardFails(b, kInvalid, {"num_blocks"});
+  // The caches' and grad_partial's size would be 0 anyway.
+  BothFail([](attnres_params& p) {
+    p.num_blocks = 0;
+    p.partial = p.grad_partial = nullptr;
+    p.rms_cache = p.alpha_cache = nullptr;
+  }, kInvalid, {"num_blocks"});
 }
 
 TEST_F(AbiErrors, NegativeNumBlocks) {
@@ -333,29 +331,16 @@ TEST_F(AbiErrors, UnknownDType) {
 }
 
 // Every stride field, one below dim: "name", the actual value 12 and dim 13.
-TEST_F(AbiErrors, SourceRowStrideBelowDim) {
-  attnres_params p = pb_.ForwardParams();
-  p.source_row_stride = kDim - 1;
-  ForwardFails(p, kInvalid, {"source_row_stride", "12", "13"});
-  attnres_params b = pb_.BackwardParams();
-  b.source_row_stride = kDim - 1;
-  BackwardFails(b, kInvalid, {"source_row_stride", "12", "13"});
-}
-
-TEST_F(AbiErrors, OutRowStrideBelowDim) {
+TEST_F(AbiErrors, RowStridesBelowDim) {
+  BothFail([](attnres_params& p) { p.source_row_stride = kDim - 1; }, kInvalid,
+           {"source_row_stride", "12", "13"});
   attnres_params p = pb_.ForwardParams();
   p.out_row_stride = kDim - 1;
   ForwardFails(p, kInvalid, {"out_row_stride", "12", "13"});
-}
-
-TEST_F(AbiErrors, GradOutRowStrideBelowDim) {
   attnres_params b = pb_.BackwardParams();
   b.grad_out_row_stride = kDim - 1;
   BackwardFails(b, kInvalid, {"grad_out_row_stride", "12", "13"});
-}
-
-TEST_F(AbiErrors, GradSourceRowStrideBelowDim) {
-  attnres_params b = pb_.BackwardParams();
+  b = pb_.BackwardParams();
   b.grad_source_row_stride = kDim - 1;
   BackwardFails(b, kInvalid, {"grad_source_row_stride", "12", "13"});
   // Also when only the partial block's gradient is requested.
@@ -363,37 +348,23 @@ TEST_F(AbiErrors, GradSourceRowStrideBelowDim) {
   BackwardFails(b, kInvalid, {"grad_source_row_stride", "12", "13"});
 }
 
-TEST_F(AbiErrors, NegativeEps) {
+TEST_F(AbiErrors, NegativeOrNonFiniteEps) {
+  BothFail([](attnres_params& p) { p.eps = -0.5; }, kInvalid, {"eps", "-0.5"});
+  BothFail([](attnres_params& p) { p.eps = std::numeric_limits<double>::quiet_NaN(); }, kInvalid,
+           {"eps", "nan"});
   attnres_params p = pb_.ForwardParams();
-  p.eps = -0.5;
-  ForwardFails(p, kInvalid, {"eps", "-0.5"});
-  attnres_params b = pb_.BackwardParams();
-  b.eps = -0.5;
-  BackwardFails(b, kInvalid, {"eps", "-0.5"});
-}
-
-TEST_F(AbiErrors, NonFiniteEps) {
-  attnres_params p = pb_.ForwardParams();
-  p.eps = std::numeric_limits<double>::quiet_NaN();
-  ForwardFails(p, kInvalid, {"eps", "nan"});
   p.eps = std::numeric_limits<double>::infinity();
   ForwardFails(p, kInvalid, {"eps", "inf"});
-  attnres_params b = pb_.BackwardParams();
-  b.eps = std::numeric_limits<double>::quiet_NaN();
-  BackwardFails(b, kInvalid, {"eps", "nan"});
 }
 
 TEST_F(AbiErrors, NonFiniteScale) {
   attnres_params p = pb_.ForwardParams();
   p.scale = std::numeric_limits<double>::quiet_NaN();
   ForwardFails(p, kInvalid, {"scale", "nan"});
-  p.scale = std::numeric_limits<double>::infinity();
-  ForwardFails(p, kInvalid, {"scale", "inf"});
   p.scale = -std::numeric_limits<double>::infinity();
   ForwardFails(p, kInvalid, {"scale", "inf"});
-  attnres_params b = pb_.BackwardParams();
-  b.scale = std::numeric_limits<double>::infinity();
-  BackwardFails(b, kInvalid, {"scale", "inf"});
+  BothFail([](attnres_params& p) { p.scale = std::numeric_limits<double>::infinity(); }, kInvalid,
+           {"scale", "inf"});
 }
 
 TEST_F(AbiErrors, RmsCacheWithRmsnormOff) {

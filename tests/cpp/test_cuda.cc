@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <random>
@@ -353,31 +354,46 @@ void ExpectBitwiseEqual(const BackwardOutput& a, const BackwardOutput& b, const 
   EXPECT_TRUE(BitwiseEqual(a.grad_gamma, b.grad_gamma)) << "grad_gamma " << why;
 }
 
-// The sweep (SweepCases), each case run twice: with the grid the device
-// chooses, and with every grid capped at 3 CTAs (ATTNRES_CUDA_MAX_CTAS), so
-// that each CTA works through many items; every output must be the same to the
-// bit, dw and dgamma included (plan.h: the partial rows do not depend on the grid).
-TEST(CudaBackend, SweepMatchesReferenceForAnyGrid) {
-  ATTNRES_SKIP_WITHOUT_CUDA();
+// One sweep case as the device runs it: the problem, its upstream gradient, the
+// backward's options and whether the forward writes the rms cache.
+struct SweepRun {
+  attnres::ref::Problem problem;
+  std::vector<double> grad_out;
+  BackwardOptions options;
+  bool rms;
+};
+
+// Runs `body` on every sweep case (SweepCases) with a device problem of it, a
+// SCOPED_TRACE naming its kernels, and stops at the first failing case (one says
+// enough).
+void ForEachSweepRun(const std::function<void(const SweepCase&, const SweepRun&, AbiProblem&)>& body) {
   for (const SweepCase& s : SweepCases()) {
     SCOPED_TRACE(s.c.Describe() + " fwd " + KernelOf(s.c, false) + " bwd " + KernelOf(s.c, true) +
                  (s.use_caches ? " caches" : "") + (s.weight_grads ? " dw" : " no-dw"));
-    const attnres::ref::Problem problem = MakeProblem(s.c);
-    const std::vector<double> grad_out = MakeGradOut(s.c);
-    BackwardOptions o = WithCaches(s.use_caches);
-    o.skip_w = o.skip_gamma = !s.weight_grads;
-    const bool rms = s.c.rmsnorm && s.use_caches;
-    AbiProblem dev(s.c, problem, ATTNRES_DEVICE_CUDA);
-    const ForwardOutput fwd = dev.Forward(rms, s.use_caches);
-    ExpectForwardClose(s.c, fwd, attnres::ref::Forward(problem), s.use_caches);
-    const BackwardOutput bwd = dev.Backward(grad_out, o);
-    ExpectBackwardClose(s.c, bwd, attnres::ref::Backward(problem, grad_out), o);
-
-    ScopedEnv cap("ATTNRES_CUDA_MAX_CTAS", "3");
-    ExpectBitwiseEqual(fwd, dev.Forward(rms, s.use_caches), "with 3 CTAs");
-    ExpectBitwiseEqual(bwd, dev.Backward(grad_out, o), "with 3 CTAs");
-    if (::testing::Test::HasFailure()) break;  // one failing case says enough
+    SweepRun run{MakeProblem(s.c), MakeGradOut(s.c), WithCaches(s.use_caches),
+                 s.c.rmsnorm && s.use_caches};
+    run.options.skip_w = run.options.skip_gamma = !s.weight_grads;
+    AbiProblem dev(s.c, run.problem, ATTNRES_DEVICE_CUDA);
+    body(s, run, dev);
+    if (::testing::Test::HasFailure()) break;
   }
+}
+
+// The sweep, each case run twice: with the grid the device chooses, and with
+// every grid capped at 3 CTAs (ATTNRES_CUDA_MAX_CTAS), so that each CTA works
+// through many items; every output must be the same to the bit, dw and dgamma
+// included (plan.h: the partial rows do not depend on the grid).
+TEST(CudaBackend, SweepMatchesReferenceForAnyGrid) {
+  ATTNRES_SKIP_WITHOUT_CUDA();
+  ForEachSweepRun([](const SweepCase& s, const SweepRun& r, AbiProblem& dev) {
+    const ForwardOutput fwd = dev.Forward(r.rms, s.use_caches);
+    ExpectForwardClose(s.c, fwd, attnres::ref::Forward(r.problem), s.use_caches);
+    const BackwardOutput bwd = dev.Backward(r.grad_out, r.options);
+    ExpectBackwardClose(s.c, bwd, attnres::ref::Backward(r.problem, r.grad_out), r.options);
+    ScopedEnv cap("ATTNRES_CUDA_MAX_CTAS", "3");
+    ExpectBitwiseEqual(fwd, dev.Forward(r.rms, s.use_caches), "with 3 CTAs");
+    ExpectBitwiseEqual(bwd, dev.Backward(r.grad_out, r.options), "with 3 CTAs");
+  });
 }
 
 // The pipelined kernels (ATTNRES_CUDA_FORWARD_PIPELINE=1 and
@@ -388,26 +404,17 @@ TEST(CudaBackend, SweepMatchesReferenceForAnyGrid) {
 // with misaligned rows take the register kernels either way.
 TEST(CudaBackend, PipelinedKernelsGiveTheSameBits) {
   ATTNRES_SKIP_WITHOUT_CUDA();
-  for (const SweepCase& s : SweepCases()) {
-    SCOPED_TRACE(s.c.Describe() + " fwd " + KernelOf(s.c, false) + " bwd " + KernelOf(s.c, true) +
-                 (s.use_caches ? " caches" : "") + (s.weight_grads ? " dw" : " no-dw"));
-    const attnres::ref::Problem problem = MakeProblem(s.c);
-    const std::vector<double> grad_out = MakeGradOut(s.c);
-    BackwardOptions o = WithCaches(s.use_caches);
-    o.skip_w = o.skip_gamma = !s.weight_grads;
-    const bool rms = s.c.rmsnorm && s.use_caches;
-    AbiProblem dev(s.c, problem, ATTNRES_DEVICE_CUDA);
-    const ForwardOutput fwd = dev.Forward(rms, s.use_caches);
-    const BackwardOutput bwd = dev.Backward(grad_out, o);
+  ForEachSweepRun([](const SweepCase& s, const SweepRun& r, AbiProblem& dev) {
+    const ForwardOutput fwd = dev.Forward(r.rms, s.use_caches);
+    const BackwardOutput bwd = dev.Backward(r.grad_out, r.options);
     ScopedEnv forward("ATTNRES_CUDA_FORWARD_PIPELINE", "1");
     ScopedEnv backward("ATTNRES_CUDA_BACKWARD_PIPELINE", "1");
-    ExpectBitwiseEqual(fwd, dev.Forward(rms, s.use_caches), "pipelined");
-    ExpectBitwiseEqual(bwd, dev.Backward(grad_out, o), "pipelined");
+    ExpectBitwiseEqual(fwd, dev.Forward(r.rms, s.use_caches), "pipelined");
+    ExpectBitwiseEqual(bwd, dev.Backward(r.grad_out, r.options), "pipelined");
     ScopedEnv cap("ATTNRES_CUDA_MAX_CTAS", "3");
-    ExpectBitwiseEqual(fwd, dev.Forward(rms, s.use_caches), "pipelined, 3 CTAs");
-    ExpectBitwiseEqual(bwd, dev.Backward(grad_out, o), "pipelined, 3 CTAs");
-    if (::testing::Test::HasFailure()) break;
-  }
+    ExpectBitwiseEqual(fwd, dev.Forward(r.rms, s.use_caches), "pipelined, 3 CTAs");
+    ExpectBitwiseEqual(bwd, dev.Backward(r.grad_out, r.options), "pipelined, 3 CTAs");
+  });
 }
 
 TEST(CudaBackend, PeakedCorrelatedWeightGradients) {

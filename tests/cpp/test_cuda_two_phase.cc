@@ -87,7 +87,7 @@ TEST(CudaTwoPhase, Phase1MatchesCpu) {
     for (int64_t S : {1, 6}) {
       for (int64_t N : {1, 9}) {
         for (int64_t D : {37, 1029}) {
-          Phase1Case c = Phase1Of(dtype, 45, D, N, S, 100 + k);
+          Phase1Case c(dtype, 45, D, N, S, 100 + k);
           c.rmsnorm = k % 4 != 3;
           c.gamma = k % 3 != 2;
           c.scale = k % 2 ? 0.7 : 1.0;
@@ -103,7 +103,7 @@ TEST(CudaTwoPhase, Phase1MatchesCpu) {
 TEST(CudaTwoPhase, Phase1ManyTokens) {
   ATTNRES_SKIP_WITHOUT_CUDA();
   for (attnres_dtype dtype : {ATTNRES_DTYPE_BFLOAT16, ATTNRES_DTYPE_FLOAT32}) {
-    CheckOnCuda(Phase1Of(dtype, 20000, 64, 5, 6, 7), 0, 0, false, false);
+    CheckOnCuda(Phase1Case(dtype, 20000, 64, 5, 6, 7), 0, 0, false, false);
   }
 }
 
@@ -112,14 +112,14 @@ TEST(CudaTwoPhase, Phase1ManyTokens) {
 TEST(CudaTwoPhase, Phase1LargeTables) {
   ATTNRES_SKIP_WITHOUT_CUDA();
   for (attnres_dtype dtype : {ATTNRES_DTYPE_FLOAT32, ATTNRES_DTYPE_FLOAT64}) {
-    CheckOnCuda(Phase1Of(dtype, 10, 17, 130, 40, 9), 0, 0, false, /*sparse=*/true);
+    CheckOnCuda(Phase1Case(dtype, 10, 17, 130, 40, 9), 0, 0, false, /*sparse=*/true);
   }
 }
 
 // A phase 2 case of this file: rows dim + pad apart (the gradients dim + pad + 1),
 // query_lse only with the partial block, norm_weight only with the input norm.
 Phase2Case CudaPhase2(attnres_dtype dtype, int64_t dim, int k, uint64_t seed) {
-  Phase2Case c = Phase2Of(dtype, 45, dim, seed);
+  Phase2Case c(dtype, 45, dim, seed);
   c.rmsnorm = k % 4 != 3;
   c.gamma = k % 3 != 2;
   c.norm_weight = k % 5 != 4;
@@ -179,7 +179,7 @@ TEST(CudaTwoPhase, Phase2FusedUpdateMatchesCpu) {
 TEST(CudaTwoPhase, Phase2ManyTokens) {
   ATTNRES_SKIP_WITHOUT_CUDA();
   for (attnres_dtype dtype : {ATTNRES_DTYPE_BFLOAT16, ATTNRES_DTYPE_FLOAT32}) {
-    Phase2Case c = Phase2Of(dtype, 20000, 64, 11);
+    Phase2Case c(dtype, 20000, 64, 11);
     c.input_norm = c.norm_weight = true;
     CheckOnCuda(c);
     c.update = c.grad_partial_in = true;
@@ -191,8 +191,8 @@ TEST(CudaTwoPhase, Phase2ManyTokens) {
 // No tokens: nothing to mix, and the weight gradients are zero, as on the CPU.
 TEST(CudaTwoPhase, NoTokens) {
   ATTNRES_SKIP_WITHOUT_CUDA();
-  CheckOnCuda(Phase1Of(ATTNRES_DTYPE_FLOAT32, 0, 37, 3, 2, 1), 0, 0, false, false);
-  Phase2Case c2 = Phase2Of(ATTNRES_DTYPE_FLOAT32, 0, 37, 1);
+  CheckOnCuda(Phase1Case(ATTNRES_DTYPE_FLOAT32, 0, 37, 3, 2, 1), 0, 0, false, false);
+  Phase2Case c2(ATTNRES_DTYPE_FLOAT32, 0, 37, 1);
   c2.input_norm = c2.norm_weight = true;
   CheckOnCuda(c2);
 }

@@ -25,16 +25,10 @@ namespace {
 // eps = 0.
 
 Case EpsZeroCase(attnres_dtype dtype, bool rmsnorm) {
-  Case c;
-  c.tokens = 6;
-  c.dim = 21;
-  c.num_blocks = 3;
-  c.has_partial = true;
+  Case c(dtype, 6, 21, 3, 404);
   c.rmsnorm = rmsnorm;
   c.eps = 0.0;
-  c.dtype = dtype;
   c.source_pad = 2;
-  c.seed = 404;
   return c;
 }
 
@@ -47,20 +41,10 @@ TEST(EpsZero, OrdinarySourcesMatchTheOracle) {
     const auto grad_out = MakeGradOut(c);
     const auto ref_f = attnres::ref::Forward(p);
     const auto ref_b = attnres::ref::Backward(p, grad_out);
-    const Tolerance tol = ToleranceFor(dtype);
     ForEachBackend([&](const Backend& backend) {
       AbiProblem abi(c, p, backend.device);
-      const ForwardOutput f = abi.Forward(true, true);
-      ASSERT_EQ(f.status, ATTNRES_OK) << f.error;
-      EXPECT_TRUE(Close("out", f.out, ref_f.out, tol.out));
-      EXPECT_TRUE(Close("rms", f.rms, ref_f.rms, tol.cache));
-      const BackwardOutput b = abi.Backward(grad_out, BackwardOptions());
-      ASSERT_EQ(b.status, ATTNRES_OK) << b.error;
-      for (int64_t i = 0; i < c.num_sources(); ++i) {
-        EXPECT_TRUE(Close("grad_source", b.grad_sources[i], ref_b.grad_sources[i], tol.grad));
-      }
-      EXPECT_TRUE(Close("grad_w", b.grad_w, ref_b.grad_w, tol.grad));
-      EXPECT_TRUE(Close("grad_gamma", b.grad_gamma, ref_b.grad_gamma, tol.grad));
+      ExpectForwardClose(c, abi.Forward(true, true), ref_f, /*caches=*/true);
+      ExpectBackwardClose(c, abi.Backward(grad_out, BackwardOptions()), ref_b, {});
     });
   }
 }
@@ -211,14 +195,8 @@ double NormMin(attnres_dtype dtype) {
 // four vectors, whose pairs narrow together (vcvtne2ps2bf16 on avx512bf16, which
 // flushes subnormals unless the kernel routes them around it).
 void CheckSubnormalSources(attnres_dtype dtype, bool rmsnorm, int64_t dim) {
-  Case c;
-  c.tokens = 7;
-  c.dim = dim;
-  c.num_blocks = 3;
-  c.has_partial = true;
+  Case c(dtype, 7, dim, 3, 808);
   c.rmsnorm = rmsnorm;
-  c.dtype = dtype;
-  c.seed = 808;
   SCOPED_TRACE(c.Describe());
   attnres::ref::Problem p = MakeProblem(c);
   const double denorm = DenormMin(dtype), norm_min = NormMin(dtype);

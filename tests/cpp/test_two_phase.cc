@@ -168,17 +168,17 @@ TEST(TwoPhaseReference, InputNormBackwardMatchesFiniteDifferences) {
 // The ABI vs the reference.
 
 std::vector<Phase1Case> Phase1Cases(attnres_dtype dt) {
-  Phase1Case a = Phase1Of(dt, 7, 33, 3, 2, 1);  // everything on, padded strides everywhere
+  Phase1Case a(dt, 7, 33, 3, 2, 1);  // everything on, padded strides everywhere
   a.scale = 0.7;
   a.source_pad = 3;
   a.out_pad = 5;
   a.grad_out_pad = 2;
   a.grad_source_pad = 4;
-  Phase1Case b = Phase1Of(dt, 5, 1, 1, 1, 2);  // D = 1, one block, one query, gamma NULL
+  Phase1Case b(dt, 5, 1, 1, 1, 2);  // D = 1, one block, one query, gamma NULL
   b.gamma = false;
   b.source_pad = 1;
   // No RMSNorm (gamma given: ignored), missing upstream gradients.
-  Phase1Case c = Phase1Of(dt, 9, 130, 9, 6, 3);
+  Phase1Case c(dt, 9, 130, 9, 6, 3);
   c.rmsnorm = false;
   c.scale = 1.3;
   c.eps = 0.3;
@@ -186,20 +186,20 @@ std::vector<Phase1Case> Phase1Cases(attnres_dtype dt) {
   c.grad_out_pad = 7;
   c.null_grad_outs = {2};
   c.null_grad_lses = {1, 4};
-  Phase1Case d = Phase1Of(dt, 3, 7, 33, 24, 4);  // many blocks and queries, no LSE gradients
+  Phase1Case d(dt, 3, 7, 33, 24, 4);  // many blocks and queries, no LSE gradients
   d.eps = 0.1;
   d.scale = 0.5;
   d.source_pad = 9;
   d.out_pad = 1;
   d.grad_source_pad = 2;
   d.grad_lses_array_null = true;
-  Phase1Case e = Phase1Of(dt, 17, 64, 2, 5, 5);  // full vectors, 5 queries (a partial group of 4)
+  Phase1Case e(dt, 17, 64, 2, 5, 5);  // full vectors, 5 queries (a partial group of 4)
   e.scale = 2.0;
   e.source_pad = 64;
   e.null_grad_outs = {0};
   // Rows of several of pass 1's tiles and a short last pair; 13 queries (query
   // groups of 8 + 5 on AVX-512, 4 + 4 + 4 + 1 on AVX2).
-  Phase1Case f = Phase1Of(dt, 4, 1031, 5, 13, 6);
+  Phase1Case f(dt, 4, 1031, 5, 13, 6);
   f.scale = 0.8;
   f.source_pad = 3;
   f.grad_out_pad = 1;
@@ -222,7 +222,7 @@ TEST(StreamingStores, Phase1LargeOutputsMatchTheReference) {
   for (auto [dt, pad] : {std::pair{ATTNRES_DTYPE_BFLOAT16, 0}, std::pair{ATTNRES_DTYPE_BFLOAT16, 1},
                          std::pair{ATTNRES_DTYPE_FLOAT32, 0}}) {
     // bf16: 5 x 4.6 MB of outputs, 4 x 4.6 MB of gradients (fp32 twice that).
-    Phase1Case c = Phase1Of(dt, 1000, 2304, 4, 5, 7);
+    Phase1Case c(dt, 1000, 2304, 4, 5, 7);
     c.out_pad = pad;
     c.grad_source_pad = pad;
     CheckPhase1(c);
@@ -236,7 +236,7 @@ TEST(TwoPhaseAbi, Phase2MatchesReference) {
     for (bool partial : {true, false}) {
       for (int norm : {0, 1, 2}) {        // no input norm, input norm, with norm_weight
         for (int keys : {0, 1, 2}) {      // RMSNorm + gamma, RMSNorm without gamma, none
-          Phase2Case c = Phase2Of(dt, 6, dims[k % 4], 100 + k);
+          Phase2Case c(dt, 6, dims[k % 4], 100 + k);
           c.partial = partial;
           c.input_norm = norm >= 1;
           c.norm_weight = norm == 2;
@@ -270,7 +270,7 @@ TEST(TwoPhaseAbi, Phase2FusedUpdateMatchesReference) {
   for (attnres_dtype dt : kAllDTypes) {
     for (int norm : {0, 2}) {    // no input norm, input norm with norm_weight
       for (int keys : {0, 2}) {  // RMSNorm + gamma, none
-        Phase2Case c = Phase2Of(dt, 1 + 4 * (k % 3), dims[k % 5], 300 + k);
+        Phase2Case c(dt, 1 + 4 * (k % 3), dims[k % 5], 300 + k);
         c.update = c.grad_partial_in = true;
         c.input_norm = norm >= 1;
         c.norm_weight = norm == 2;
@@ -301,7 +301,7 @@ TEST(TwoPhaseAbi, Phase2SharpMergesMatchReference) {
         for (double size : SharpPartialSizes(dt)) {
           if (dt == ATTNRES_DTYPE_FLOAT16 && !Fp16HoldsSharp(gap, size)) continue;
           for (bool rmsnorm : {true, false}) {
-            Phase2Case c = Phase2Of(dt, 9, k % 2 ? 33 : 64, 500 + k);
+            Phase2Case c(dt, 9, k % 2 ? 33 : 64, 500 + k);
             c.merge_gap = sign * gap;
             c.partial_size = size;
             c.rmsnorm = rmsnorm;
@@ -327,7 +327,7 @@ TEST(TwoPhaseAbi, Phase2SharpMergesMatchReference) {
 TEST(TwoPhaseAbi, ZeroTokensWriteZeroWeightGradients) {
   for (attnres_dtype dt : kAllDTypes) {
     SCOPED_TRACE(DTypeName(dt));
-    const Phase1Case c = Phase1Of(dt, 0, 8, 3, 2, 1);
+    const Phase1Case c(dt, 0, 8, 3, 2, 1);
     Phase1Abi abi(c);
     const auto f = abi.RunForward();
     ASSERT_EQ(f.status, ATTNRES_OK) << f.error;
@@ -338,7 +338,7 @@ TEST(TwoPhaseAbi, ZeroTokensWriteZeroWeightGradients) {
     EXPECT_TRUE(Close("dw", b.grad_w, Vec(c.queries * c.dim, 0.0), 0));
     EXPECT_TRUE(Close("dgamma", b.grad_gamma, Vec(c.queries * c.dim, 0.0), 0));
 
-    Phase2Case c2 = Phase2Of(dt, 0, 8, 1);
+    Phase2Case c2(dt, 0, 8, 1);
     c2.input_norm = true;
     Phase2Abi abi2(c2);
     const auto f2 = abi2.RunForward();
@@ -356,7 +356,7 @@ TEST(TwoPhaseAbi, ZeroTokensWriteZeroWeightGradients) {
 // the call must not leak into them); accumulate = 0 ignores what the buffers held.
 TEST(TwoPhaseAbi, AccumulateGradsAddsIntoBlockGradients) {
   for (attnres_dtype dt : kAllDTypes) {
-    Phase1Case c = Phase1Of(dt, 11, 19, 4, 3, 1);
+    Phase1Case c(dt, 11, 19, 4, 3, 1);
     c.grad_source_pad = 3;
     c.null_grad_lses = {1};
     Rng rng(99);
@@ -376,14 +376,14 @@ TEST(TwoPhaseAbi, AccumulateGradsAddsIntoBlockGradients) {
 TEST(TwoPhaseDeterminism, AcrossThreadsAndIsas) {
   ThreadsAndIsaGuard guard;
   for (attnres_dtype dt : {ATTNRES_DTYPE_FLOAT32, ATTNRES_DTYPE_BFLOAT16}) {
-    Phase1Case c = Phase1Of(dt, 300, 37, 5, 3, 1);
+    Phase1Case c(dt, 300, 37, 5, 3, 1);
     c.scale = 0.9;
     c.source_pad = 3;
     SCOPED_TRACE(c.Describe());
     Phase1Abi abi(c);
     const auto ref_b = attnres::ref::Phase1Backward(abi.ref, abi.grad_outs, abi.grad_lses);
 
-    Phase2Case c2 = Phase2Of(dt, 300, 37, 1);
+    Phase2Case c2(dt, 300, 37, 1);
     c2.input_norm = c2.norm_weight = true;
     c2.grad_source_pad = 2;
     Phase2Abi abi2(c2);

@@ -828,6 +828,14 @@ void ExpectBackwardClose(const Case& c, const BackwardOutput& got,
   }
 }
 
+void ExpectBackwardCloseWithAndWithoutCaches(AbiProblem& abi, const std::vector<double>& grad_out,
+                                             const attnres::ref::BackwardResult& ref) {
+  for (bool caches : {false, true}) {
+    SCOPED_TRACE(caches ? "backward with caches" : "backward without caches");
+    ExpectBackwardClose(abi.config(), abi.Backward(grad_out, WithCaches(caches)), ref, {});
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Backends.
 

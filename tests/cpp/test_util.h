@@ -142,6 +142,12 @@ struct Case {
   int64_t grad_source_pad = 0;
   uint64_t seed = 1;
 
+  Case() = default;
+  // These sizes, the rest as above (a partial block, RMSNorm, gamma, scale 1,
+  // eps 1e-6, dense rows).
+  Case(attnres_dtype dtype, int64_t tokens, int64_t dim, int64_t num_blocks, uint64_t seed)
+      : tokens(tokens), dim(dim), num_blocks(num_blocks), dtype(dtype), seed(seed) {}
+
   int64_t num_sources() const { return num_blocks + (has_partial ? 1 : 0); }
   std::string Describe() const;
 };
@@ -344,6 +350,10 @@ void ExpectForwardClose(const Case& c, const ForwardOutput& got,
                         const attnres::ref::ForwardResult& ref, bool caches);
 void ExpectBackwardClose(const Case& c, const BackwardOutput& got,
                          const attnres::ref::BackwardResult& ref, const BackwardOptions& o);
+
+// Backward without and with both caches, each ExpectBackwardClose to `ref`.
+void ExpectBackwardCloseWithAndWithoutCaches(AbiProblem& abi, const std::vector<double>& grad_out,
+                                             const attnres::ref::BackwardResult& ref);
 
 // ---------------------------------------------------------------------------
 // Backends.
