@@ -236,7 +236,7 @@ def _plain_rows(sources: Sequence) -> Optional[tuple]:
 
 
 def plain_inputs(blocks: object, partial: object, w: object, gamma: object, scale: float,
-                 eps: float, grad: bool) -> Optional[tuple]:
+                 eps: float, grad: bool) -> Optional[Layout]:
     """The inputs of a native front end (what inputs() accepts) that the fast path
     takes, checked in one pass: a list or tuple of plain tensors (torch.Tensor or
     nn.Parameter, no subclass) plus the partial block, all of one supported dtype,
@@ -255,17 +255,24 @@ def plain_inputs(blocks: object, partial: object, w: object, gamma: object, scal
     scan = _plain_rows(sources)
     if scan is None:
         return None
+    return _layout(scan, (scan[2][-1],), w, gamma, sources, grad)
+
+
+def _layout(scan: tuple, weight_shape, w: object, gamma: object, rows: Sequence,
+            grad: bool) -> Optional[Layout]:
+    """The Layout of the row inputs `rows`, which _plain_rows() returned `scan` for, once
+    w and gamma (or None) are plain and alike, of `weight_shape`."""
     pointers, contiguous, shape, dtype, device = scan
-    contiguous = _fold_alike(contiguous, dtype, device, (shape[-1],),
+    contiguous = _fold_alike(contiguous, dtype, device, weight_shape,
                              (w, gamma) if gamma is not None else (w,))
     if contiguous is None:
         return None
-    requires_grad = grad and _any_requires_grad(*sources, w, gamma)
-    return Layout(pointers, contiguous, requires_grad, shape, dtype)
+    return Layout(pointers, contiguous, grad and _any_requires_grad(*rows, w, gamma), shape,
+                  dtype)
 
 
 def plain_phase1(blocks: object, w: object, gamma: object, eps: float, scale: float,
-                 grad: bool) -> Optional[tuple]:
+                 grad: bool) -> Optional[Layout]:
     """plain_inputs() for phase 1: blocks a non-empty list or tuple of plain tensors of
     one supported dtype, shape and device, strided; w [S, D] and gamma (or None) of
     w's shape, alike. Returns a Layout (the blocks' pointers) or None (then phase1()
@@ -276,16 +283,10 @@ def plain_phase1(blocks: object, w: object, gamma: object, eps: float, scale: fl
     scan = _plain_rows(blocks)
     if scan is None or w.__class__ not in _PLAIN:
         return None
-    pointers, contiguous, shape, dtype, device = scan
     queries = w.shape
-    if len(queries) != 2 or queries[0] < 1 or queries[1] != shape[-1]:
+    if len(queries) != 2 or queries[0] < 1 or queries[1] != scan[2][-1]:
         return None
-    contiguous = _fold_alike(contiguous, dtype, device, queries,
-                             (w, gamma) if gamma is not None else (w,))
-    if contiguous is None:
-        return None
-    requires_grad = grad and _any_requires_grad(*blocks, w, gamma)
-    return Layout(pointers, contiguous, requires_grad, shape, dtype)
+    return _layout(scan, queries, w, gamma, blocks, grad)
 
 
 def plain_phase2(out: object, lse: object, partial: object, w: object, gamma: object,

@@ -66,6 +66,13 @@ def assert_same_bits(a, b, what):
     assert torch.equal(bits(a), bits(b)), f"{what}: the paths differ"
 
 
+def assert_same_grads(fast, slow, what):
+    """The gradients of the two paths' leaves (None: not an input) have the same bits."""
+    for i, (a, b) in enumerate(zip(fast, slow)):
+        if a is not None:
+            assert_same_bits(a.grad, b.grad, f"{what} {i}")
+
+
 def leaves(tensors, requires_grad=True):
     return [None if t is None else t.detach().clone().requires_grad_(requires_grad)
             for t in tensors]
@@ -119,9 +126,7 @@ def test_single_op_paths_agree_bitwise(dtype, case):
     assert ran == {"attnres::block_attn_res": 1, "attnres::block_attn_res_backward": 1}
 
     assert_same_bits(h_fast, h_slow, "h")
-    for i, (a, b) in enumerate(zip(fast, slow)):
-        if a is not None:
-            assert_same_bits(a.grad, b.grad, f"grad of input {i}")
+    assert_same_grads(fast, slow, "grad of input")
 
     # The public function itself under a mode: the custom ops, the same bits.
     moded = leaves([*blocks, p, w, g])
@@ -375,9 +380,7 @@ def test_phase1_paths_agree_bitwise(dtype, gamma, rmsnorm):
     assert ran == {"attnres::phase1": 1, "attnres::phase1_backward": 1}
     for a, b in zip([*outs, *lses], result):
         assert_same_bits(a, b, "phase 1 output")
-    for i, (a, b) in enumerate(zip(fast, slow)):
-        if a is not None:
-            assert_same_bits(a.grad, b.grad, f"phase 1 grad {i}")
+    assert_same_grads(fast, slow, "phase 1 grad")
     with torch.no_grad(), counting() as ran:
         outs_ng, lses_ng = block_attn_res_phase1(blocks, w, g, **kw)
     assert ran == {}
@@ -420,9 +423,7 @@ def test_phase2_paths_agree_bitwise(dtype, case):
         h_slow.backward(grad)
     assert ran == {"attnres::phase2": 1, "attnres::phase2_backward": 1}
     assert_same_bits(h_fast, h_slow, "h")
-    for i, (a, b) in enumerate(zip(fast, slow)):
-        if a is not None:
-            assert_same_bits(a.grad, b.grad, f"phase 2 grad {i}")
+    assert_same_grads(fast, slow, "phase 2 grad")
     with torch.no_grad(), counting() as ran:
         h_ng = block_attn_res_phase2(*inputs[:5], norm_weight=inputs[5], input_norm=input_norm,
                                      **kw)

@@ -136,18 +136,30 @@ def test_forward_block_dtype(fwd, expect_value_error, bad):
     assert_dtypes_named(msg, FP32, bad)
 
 
-@pytest.mark.parametrize("bad_shape", [(B, T, D - 1), (B, 1, D), (T, B, D), (B, T, D, 1)],
-                         ids=str)
-def test_forward_partial_block_shape(fwd, gen, expect_value_error, bad_shape):
-    msg = expect_value_error(attnres.block_attn_res,
-                             dict(fwd, partial_block=_randn(gen, *bad_shape)), "partial_block")
+def _seed_call(request, direction: str):
+    """(function, its valid keyword arguments) of the seed API's forward or backward."""
+    if direction == "forward":
+        return attnres.block_attn_res, request.getfixturevalue("fwd")
+    return attnres.block_attn_res_backward, request.getfixturevalue("bwd")
+
+
+@pytest.mark.parametrize("direction,bad_shape", [
+    ("forward", (B, T, D - 1)), ("forward", (B, 1, D)), ("forward", (T, B, D)),
+    ("forward", (B, T, D, 1)), ("backward", (B, T, D - 1)), ("backward", (B, 1, D))], ids=str)
+def test_partial_block_shape(request, gen, expect_value_error, direction, bad_shape):
+    function, kwargs = _seed_call(request, direction)
+    msg = expect_value_error(function, dict(kwargs, partial_block=_randn(gen, *bad_shape)),
+                             "partial_block")
     assert_shapes_named(msg, (B, T, D), bad_shape)
 
 
-def test_forward_partial_block_dtype(fwd, expect_value_error):
-    kwargs = dict(fwd, partial_block=fwd["partial_block"].to(torch.bfloat16))
-    msg = expect_value_error(attnres.block_attn_res, kwargs, "partial_block")
-    assert_dtypes_named(msg, FP32, torch.bfloat16)
+@pytest.mark.parametrize("direction,bad", [("forward", torch.bfloat16),
+                                           ("backward", torch.float16)], ids=str)
+def test_partial_block_dtype(request, expect_value_error, direction, bad):
+    function, kwargs = _seed_call(request, direction)
+    msg = expect_value_error(function, dict(kwargs, partial_block=kwargs["partial_block"].to(bad)),
+                             "partial_block")
+    assert_dtypes_named(msg, FP32, bad)
 
 
 @pytest.mark.parametrize("bad_shape", [(D + 1,), (D - 1,), (1, D), (D, 1), ()], ids=str)
@@ -242,30 +254,21 @@ def test_backward_block_dtype(bwd, expect_value_error):
     assert_dtypes_named(msg, FP32, torch.bfloat16)
 
 
-@pytest.mark.parametrize("bad_shape", [(B, T, D - 1), (B, 1, D)], ids=str)
-def test_backward_partial_block_shape(bwd, gen, expect_value_error, bad_shape):
+@pytest.mark.parametrize("name,bad_shape", [
+    ("proj_weight", (D + 1,)), ("proj_weight", (1, D)), ("proj_weight", ()),
+    ("rmsnorm_gamma", (D + 1,)), ("rmsnorm_gamma", (1, D))], ids=str)
+def test_backward_vector_shape(bwd, gen, expect_value_error, name, bad_shape):
     msg = expect_value_error(attnres.block_attn_res_backward,
-                             dict(bwd, partial_block=_randn(gen, *bad_shape)), "partial_block")
-    assert_shapes_named(msg, (B, T, D), bad_shape)
-
-
-def test_backward_partial_block_dtype(bwd, expect_value_error):
-    kwargs = dict(bwd, partial_block=bwd["partial_block"].to(torch.float16))
-    msg = expect_value_error(attnres.block_attn_res_backward, kwargs, "partial_block")
-    assert_dtypes_named(msg, FP32, torch.float16)
-
-
-@pytest.mark.parametrize("bad_shape", [(D + 1,), (1, D), ()], ids=str)
-def test_backward_proj_weight_shape(bwd, gen, expect_value_error, bad_shape):
-    msg = expect_value_error(attnres.block_attn_res_backward,
-                             dict(bwd, proj_weight=_randn(gen, *bad_shape)), "proj_weight")
+                             dict(bwd, **{name: _randn(gen, *bad_shape)}), name)
     assert_shapes_named(msg, (D,), bad_shape)
 
 
-def test_backward_proj_weight_dtype(bwd, expect_value_error):
-    kwargs = dict(bwd, proj_weight=bwd["proj_weight"].to(torch.float64))
-    msg = expect_value_error(attnres.block_attn_res_backward, kwargs, "proj_weight")
-    assert_dtypes_named(msg, FP32, torch.float64)
+@pytest.mark.parametrize("name,bad", [("proj_weight", torch.float64),
+                                      ("rmsnorm_gamma", torch.bfloat16)], ids=str)
+def test_backward_vector_dtype(bwd, expect_value_error, name, bad):
+    msg = expect_value_error(attnres.block_attn_res_backward,
+                             dict(bwd, **{name: bwd[name].to(bad)}), name)
+    assert_dtypes_named(msg, FP32, bad)
 
 
 @pytest.mark.parametrize("enable_rmsnorm", [True, False], ids=["rms", "norms"])
@@ -292,19 +295,6 @@ def test_backward_alpha_cache_shape_without_partial(bwd, expect_value_error):
 def test_backward_rmsnorm_gamma_required(bwd, expect_value_error):
     expect_value_error(attnres.block_attn_res_backward, dict(bwd, rmsnorm_gamma=None),
                        "rmsnorm_gamma")
-
-
-@pytest.mark.parametrize("bad_shape", [(D + 1,), (1, D)], ids=str)
-def test_backward_rmsnorm_gamma_shape(bwd, gen, expect_value_error, bad_shape):
-    msg = expect_value_error(attnres.block_attn_res_backward,
-                             dict(bwd, rmsnorm_gamma=_randn(gen, *bad_shape)), "rmsnorm_gamma")
-    assert_shapes_named(msg, (D,), bad_shape)
-
-
-def test_backward_rmsnorm_gamma_dtype(bwd, expect_value_error):
-    kwargs = dict(bwd, rmsnorm_gamma=bwd["rmsnorm_gamma"].to(torch.bfloat16))
-    msg = expect_value_error(attnres.block_attn_res_backward, kwargs, "rmsnorm_gamma")
-    assert_dtypes_named(msg, FP32, torch.bfloat16)
 
 
 def test_backward_rms_cache_required(bwd, expect_value_error):

@@ -104,6 +104,14 @@ TWIN_CASES = ([("default", s) for s in SIZES] + [("input_norm", s) for s in SIZE
               + [("rmsnorm_off_input_norm", s) for s in ((5, 1), (5, 3), (6, 2))])
 
 
+def _every_mix(res, emb, cs):
+    """(embedding leaf, sub-layer output leaves, every mix: each sub-layer's input, then
+    the final output) of a pass of `res` whose sub-layers return `cs`."""
+    e = emb.clone().requires_grad_(True)
+    c = [x.clone().requires_grad_(True) for x in cs]
+    return e, c, run_leaf_stream(res, e, c)
+
+
 @pytest.mark.parametrize("schedule", ["two_phase", "per_layer"])
 @pytest.mark.parametrize("config,sizes", TWIN_CASES,
                          ids=[f"{c}-L{s[0]}-bs{s[1]}" for c, s in TWIN_CASES])
@@ -195,14 +203,7 @@ def test_schedules_agree_in_bf16(config):
     for schedule in ("two_phase", "per_layer"):
         res = BlockAttnResStream(D, num, block_size, schedule=schedule, **kw)
         randomize(res)
-        e = emb.clone().requires_grad_(True)
-        c = [x.clone().requires_grad_(True) for x in cs]
-        stream = res.begin(e)
-        xs = []
-        for j in range(num):
-            xs.append(stream.next_input())
-            stream.add(c[j])
-        xs.append(stream.finish())
+        e, c, xs = _every_mix(res, emb, cs)
         leaves = [e] + c + stream_params(res)
         grads = [torch.autograd.grad((x.float() * gy.float()).sum(), leaves, retain_graph=True,
                                      allow_unused=True) for x, gy in zip(xs, gys)]
@@ -323,14 +324,7 @@ def test_fused_stream_equals_the_unfused_stream(config, dtype, monkeypatch):
             monkeypatch.setattr(stream_module, "phase2_in_stream", unfused)
         res = BlockAttnResStream(D, num, block_size, **kw)
         randomize(res)
-        e = emb.clone().requires_grad_(True)
-        c = [x.clone().requires_grad_(True) for x in cs]
-        stream = res.begin(e)
-        xs = []
-        for j in range(num):
-            xs.append(stream.next_input())
-            stream.add(c[j])
-        xs.append(stream.finish())
+        e, c, xs = _every_mix(res, emb, cs)
         loss = sum((x.float() * gy.float()).sum() for x, gy in zip(xs, gys))
         grads = torch.autograd.grad(loss, [e] + c + stream_params(res))
         results.append(([x.detach() for x in xs], grads))

@@ -7,23 +7,15 @@ stream as its residual (input norm fused), in float64 so the comparison is tight
 
 from __future__ import annotations
 
-import os
-import socket
-import sys
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import block_attnres as attnres
+from data_parallel import assert_same_state, one_step_both_ways
 
-WORLD_SIZE = 2
 BATCH = 4
 DIM = 16
-LR = 0.1
 
 
 class StreamModel(nn.Module):
@@ -58,13 +50,6 @@ def _loss(model, tokens):
     return nn.functional.cross_entropy(logits.reshape(-1, 32), tokens[:, 1:].reshape(-1))
 
 
-def _sgd_step(model, loss):
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-
-
 def _fully_shard():
     try:
         from torch.distributed.fsdp import fully_shard
@@ -73,42 +58,12 @@ def _fully_shard():
     return fully_shard
 
 
-def _worker(rank: int, port: int, out_path: str, wrapper: str) -> None:
-    torch.set_num_threads(1)
-    attnres.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-        model, tokens = _make_model_and_batch()
-        if wrapper == "ddp":
-            wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        else:
-            wrapped = _fully_shard()(model)
-        shard = tokens.chunk(WORLD_SIZE)[rank]
-        # Each rank's loss is the mean over its half: the data-parallel mean of the two
-        # equals the whole batch's mean.
-        _sgd_step(wrapped, _loss(wrapped, shard))
-        state = {}
-        for k, v in model.state_dict().items():
-            if hasattr(v, "full_tensor"):  # FSDP2 DTensor shards
-                v = v.full_tensor()
-            state[k] = v.detach().clone()
-        if rank == 0:
-            torch.save(state, out_path)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # os._exit here too (test_fast_path.py, _ddp_worker)
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    os._exit(0)  # as in test_ddp.py: no interpreter teardown after the work is done
+def _ddp(model):
+    return torch.nn.parallel.DistributedDataParallel(model)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _fsdp2(model):
+    return _fully_shard()(model)
 
 
 # FSDP2 on the CPU with gloo (torch 2.13.0) takes a different step than one process for
@@ -130,18 +85,9 @@ def test_stream_one_step_matches_single_process(tmp_path, monkeypatch, wrapper):
         except ImportError as e:
             pytest.skip(f"this torch has no FSDP2 fully_shard: {e}")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    out_path = str(tmp_path / "rank0.pt")
-    mp.spawn(_worker, args=(_free_port(), out_path, wrapper), nprocs=WORLD_SIZE, join=True)
-    parallel_state = torch.load(out_path)
-
-    model, tokens = _make_model_and_batch()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    _sgd_step(model, _loss(model, tokens))
-    state = model.state_dict()
-
-    assert parallel_state.keys() == state.keys()
-    for name, value in state.items():
-        torch.testing.assert_close(parallel_state[name], value, rtol=1e-10, atol=1e-12,
-                                   msg=lambda m: f"{name}: {m}")
+    parallel, state, before = one_step_both_ways(
+        str(tmp_path / "rank0.pt"), _make_model_and_batch, _loss,
+        {"ddp": _ddp, "fsdp2": _fsdp2}[wrapper])
+    assert_same_state(parallel, state)
     for name in ("res.w", "res.gamma", "res.norm_weight"):
         assert not torch.equal(state[name], before[name]), name
