@@ -172,20 +172,12 @@ void Phase1Abi::MakeBuffers(const Phase1Case& c) {
 }
 
 attnres_params Phase1Abi::Inputs() const {
-  attnres_params p;
-  attnres_params_init(&p);
-  p.device = device_;
-  p.num_tokens = c_.tokens;
-  p.dim = c_.dim;
+  attnres_params p = CommonParams(device_, c_.dtype, c_.tokens, c_.dim, c_.dim + c_.source_pad,
+                                  c_.scale, c_.eps, c_.rmsnorm);
   p.num_blocks = c_.blocks;
-  p.dtype = c_.dtype;
   p.blocks = block_ptrs_.data();
-  p.source_row_stride = c_.dim + c_.source_pad;
   p.proj_weight = w_.data();
   p.gamma = c_.gamma ? gamma_.data() : nullptr;
-  p.scale = c_.scale;
-  p.eps = c_.eps;
-  p.rmsnorm = c_.rmsnorm ? 1 : 0;
   p.num_queries = c_.queries;
   return p;
 }
@@ -383,22 +375,14 @@ void Phase2Abi::MakeBuffers(const Phase2Case& c, const Vec& previous, const Vec&
 }
 
 attnres_params Phase2Abi::Inputs() const {
-  attnres_params p;
-  attnres_params_init(&p);
-  p.device = device_;
-  p.num_tokens = c_.tokens;
-  p.dim = c_.dim;
+  attnres_params p = CommonParams(device_, c_.dtype, c_.tokens, c_.dim, c_.dim + c_.source_pad,
+                                  c_.scale, c_.eps, c_.rmsnorm);
   p.num_blocks = 0;
-  p.dtype = c_.dtype;
   p.query_out = qo_.data();
   p.query_lse = c_.lse ? lse_.data() : nullptr;
   p.partial = c_.partial ? part_.data() : nullptr;
-  p.source_row_stride = c_.dim + c_.source_pad;
   p.proj_weight = w_.data();
   p.gamma = c_.gamma ? gamma_.data() : nullptr;
-  p.scale = c_.scale;
-  p.eps = c_.eps;
-  p.rmsnorm = c_.rmsnorm ? 1 : 0;
   p.input_norm = c_.input_norm ? 1 : 0;
   p.norm_eps = c_.norm_eps;
   p.norm_weight = c_.norm_weight ? nw_.data() : nullptr;

@@ -46,8 +46,10 @@ namespace plan = attnres::cuda::plan;
 TEST(CudaBackend, UnavailableDeviceIsReported) {
   if (attnres_cuda_available()) GTEST_SKIP() << "a CUDA device is present";
   const float w[4] = {0, 0, 0, 0}, src[4] = {1, 2, 3, 4};
-  float out[4];
+  float out[4] = {7, 7, 7, 7}, lse[1] = {7};
   const void* blocks[1] = {src};
+  void* outs[1] = {out};
+  void* lses[1] = {lse};
   attnres_params p;
   attnres_params_init(&p);
   p.device = ATTNRES_DEVICE_CUDA;
@@ -61,6 +63,14 @@ TEST(CudaBackend, UnavailableDeviceIsReported) {
   p.out_row_stride = 4;
   EXPECT_EQ(attnres_forward(&p), ATTNRES_ERROR_UNSUPPORTED_DEVICE);
   EXPECT_STRNE(attnres_last_error(), "");
+  // Phase 1 too; and neither call wrote anything.
+  p.out = nullptr;
+  p.query_outs = outs;
+  p.query_lses = lses;
+  EXPECT_EQ(attnres_phase1_forward(&p), ATTNRES_ERROR_UNSUPPORTED_DEVICE);
+  EXPECT_STRNE(attnres_last_error(), "");
+  EXPECT_EQ(out[0], 7.0f);
+  EXPECT_EQ(lse[0], 7.0f);
 }
 
 // scripts/gpu_check.sh sets ATTNRES_EXPECT_CUDA=1 when nvidia-smi lists a GPU:

@@ -22,33 +22,6 @@
 
 namespace attnres_test {
 namespace {
-// Runs everywhere: without a device, device = CUDA is refused with a status and a
-// message, and nothing is written.
-TEST(CudaTwoPhase, UnavailableDeviceIsReported) {
-  if (attnres_cuda_available()) GTEST_SKIP() << "a CUDA device is present";
-  const float block[4] = {1, 2, 3, 4}, w[4] = {0, 0, 0, 0};
-  float out[4] = {7, 7, 7, 7}, lse[1] = {7};
-  const void* blocks[1] = {block};
-  void* outs[1] = {out};
-  void* lses[1] = {lse};
-  attnres_params p;
-  attnres_params_init(&p);
-  p.device = ATTNRES_DEVICE_CUDA;
-  p.num_tokens = 1;
-  p.dim = 4;
-  p.num_blocks = 1;
-  p.blocks = blocks;
-  p.source_row_stride = 4;
-  p.proj_weight = w;
-  p.query_outs = outs;
-  p.query_lses = lses;
-  p.out_row_stride = 4;
-  EXPECT_EQ(attnres_phase1_forward(&p), ATTNRES_ERROR_UNSUPPORTED_DEVICE);
-  EXPECT_STRNE(attnres_last_error(), "");
-  EXPECT_EQ(out[0], 7.0f);
-  EXPECT_EQ(lse[0], 7.0f);
-}
-
 #ifndef ATTNRES_WITH_CUDA
 
 TEST(CudaTwoPhase, NeedsTheCudaBuild) {

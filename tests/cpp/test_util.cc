@@ -524,23 +524,32 @@ AbiProblem::AbiProblem(const Case& c, const attnres::ref::Problem& p, attnres_de
   cache_hashes_ = Hashes({&rms_cache_, &alpha_cache_});
 }
 
-attnres_params AbiProblem::InputParams() const {
+attnres_params CommonParams(attnres_device device, attnres_dtype dtype, int64_t tokens,
+                            int64_t dim, int64_t source_row_stride, double scale, double eps,
+                            bool rmsnorm) {
   attnres_params p;
   attnres_params_init(&p);
-  p.num_tokens = case_.tokens;
-  p.dim = case_.dim;
-  p.num_blocks = case_.num_blocks;
-  p.dtype = case_.dtype;
-  p.device = device_;
+  p.device = device;
+  p.dtype = dtype;
+  p.num_tokens = tokens;
+  p.dim = dim;
+  p.source_row_stride = source_row_stride;
+  p.scale = scale;
+  p.eps = eps;
+  p.rmsnorm = rmsnorm ? 1 : 0;
+  return p;
+}
+
+attnres_params AbiProblem::InputParams() const {
+  const Case& c = case_;
+  attnres_params p = CommonParams(device_, c.dtype, c.tokens, c.dim, c.dim + c.source_pad,
+                                  c.scale, c.eps, c.rmsnorm);
   p.stream = stream_;
+  p.num_blocks = c.num_blocks;
   p.blocks = block_ptrs_.empty() ? kNoBlocks : block_ptrs_.data();
-  p.partial = case_.has_partial ? sources_[L_ - 1].abi_data() : nullptr;
-  p.source_row_stride = case_.dim + case_.source_pad;
+  p.partial = c.has_partial ? sources_[L_ - 1].abi_data() : nullptr;
   p.proj_weight = w_.abi_data();
-  p.gamma = case_.has_gamma ? gamma_.abi_data() : nullptr;
-  p.scale = case_.scale;
-  p.eps = case_.eps;
-  p.rmsnorm = case_.rmsnorm ? 1 : 0;
+  p.gamma = c.has_gamma ? gamma_.abi_data() : nullptr;
   return p;
 }
 

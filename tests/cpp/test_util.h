@@ -247,6 +247,11 @@ struct Placement {
   int64_t w = 0, gamma = 0, out = 0, grad_out = 0;
 };
 
+// attnres_params_init's defaults with the fields every entry point reads set.
+attnres_params CommonParams(attnres_device device, attnres_dtype dtype, int64_t tokens,
+                            int64_t dim, int64_t source_row_stride, double scale, double eps,
+                            bool rmsnorm);
+
 // Owns a problem laid out the way a caller with separate tensors would hold it:
 // every block, the partial block, w, gamma and every output in its own
 // allocation, rows `dim + pad` apart, on one backend: the CPU (whichever ISA is
@@ -263,7 +268,8 @@ class AbiProblem {
   // CUDA: the cudaStream_t of every call (nullptr, the default, is the legacy
   // stream).
   void set_stream(void* stream) { stream_ = stream; }
-  // params with sizes, flags and inputs set; outputs NULL. For CUDA the inputs
+  // params with sizes, flags and inputs set (CommonParams and the single op's
+  // inputs); outputs NULL. For CUDA the inputs
   // are those uploaded by the constructor or the last Prepare*.
   attnres_params InputParams() const;
 
