@@ -4,48 +4,11 @@
 #include <cmath>
 
 namespace attnres::validate {
-namespace {
-
-// Spans kept by a thread between calls, at most: a larger list is freed.
-constexpr size_t kKeptSpans = 1024;
-
-// The spans of this thread's current call, kept between calls: a backward over 10
-// sources records ~25 spans, and a vector grown afresh on every call would cost a
-// malloc (and a consolidation of glibc's fast bins) per call.
-std::vector<Span>& ThreadSpans() {
-  thread_local std::vector<Span> spans;
-  return spans;
-}
-
-}  // namespace
 
 std::ostream& operator<<(std::ostream& os, const Name& name) {
   os << name.base;
   if (name.index >= 0) os << '[' << name.index << ']';
   return os;
-}
-
-Validator::Validator(const char* function) : function_(function), spans_(ThreadSpans()) {
-  spans_.clear();
-}
-
-Validator::~Validator() {
-  if (spans_.capacity() > kKeptSpans) std::vector<Span>().swap(spans_);
-}
-
-void Validator::AddRows(const void* p, int64_t rows, int64_t stride, int64_t cols, int64_t elem,
-                        Name name, bool is_output) {
-  if (!ok() || p == nullptr || rows == 0) return;
-  Aligned(p, elem, name);
-  int64_t elems = 0, bytes = 0;
-  const bool overflow = __builtin_mul_overflow(rows - 1, stride, &elems) ||
-                        __builtin_add_overflow(elems, cols, &elems) ||
-                        __builtin_mul_overflow(elems, elem, &bytes);
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
-  Check(!overflow && bytes >= 0 && begin + static_cast<uintptr_t>(bytes) >= begin,
-        ATTNRES_ERROR_INVALID_ARGUMENT, name, " spans more than the address space (", rows,
-        " rows, row stride ", stride, ")");
-  if (ok()) spans_.push_back({begin, begin + static_cast<uintptr_t>(bytes), name, is_output});
 }
 
 // Sorted sweep: the span that ends last among earlier inputs/outputs is the one a
