@@ -27,21 +27,22 @@ attnres_status Guarded(const char* function, Fn&& fn) {
   }
 }
 
-// Validates, then runs `cpu` or `cuda`, whichever the params' device is.
+// Validates (the op's forward or backward rules), then runs `cpu` or `cuda`,
+// whichever the params' device is.
 template <typename Cpu, typename Cuda>
-attnres_status Run(const char* function, attnres_status (*check)(const attnres_params*),
+attnres_status Run(const char* function, const validate::OpRules& op, bool backward,
                    const attnres_params* params, const Cpu& cpu, const Cuda& cuda) {
-  if (attnres_status s = check(params); s != ATTNRES_OK) return s;
+  if (attnres_status s = validate::Run(function, params, op, backward); s != ATTNRES_OK) return s;
   return Guarded(function, [&] {
     return params->device == ATTNRES_DEVICE_CUDA ? cuda(*params) : cpu(*params);
   });
 }
 
 // One phase of the two-phase schedule.
-attnres_status RunPhase(const char* function, attnres_status (*check)(const attnres_params*),
-                        const attnres_params* params, int phase, bool backward) {
+attnres_status RunPhase(const char* function, const validate::OpRules& op, int phase,
+                        bool backward, const attnres_params* params) {
   return Run(
-      function, check, params,
+      function, op, backward, params,
       [&](const attnres_params& p) { return CpuTwoPhase(p, phase, backward); },
       [&](const attnres_params& p) { return CudaTwoPhase(p, phase, backward); });
 }
@@ -134,24 +135,24 @@ const attnres_field* attnres_params_fields(int32_t* count) {
 int64_t attnres_params_size(void) { return int64_t(sizeof(attnres_params)); }
 
 attnres_status attnres_forward(const attnres_params* params) {
-  return Run("attnres_forward", validate::Forward, params, attnres::CpuForward,
+  return Run("attnres_forward", validate::kBlockAttnRes, false, params, attnres::CpuForward,
              attnres::CudaForward);
 }
 attnres_status attnres_backward(const attnres_params* params) {
-  return Run("attnres_backward", validate::Backward, params, attnres::CpuBackward,
+  return Run("attnres_backward", validate::kBlockAttnRes, true, params, attnres::CpuBackward,
              attnres::CudaBackward);
 }
 attnres_status attnres_phase1_forward(const attnres_params* params) {
-  return RunPhase("attnres_phase1_forward", validate::Phase1Forward, params, 1, false);
+  return RunPhase("attnres_phase1_forward", validate::kPhase1, 1, false, params);
 }
 attnres_status attnres_phase1_backward(const attnres_params* params) {
-  return RunPhase("attnres_phase1_backward", validate::Phase1Backward, params, 1, true);
+  return RunPhase("attnres_phase1_backward", validate::kPhase1, 1, true, params);
 }
 attnres_status attnres_phase2_forward(const attnres_params* params) {
-  return RunPhase("attnres_phase2_forward", validate::Phase2Forward, params, 2, false);
+  return RunPhase("attnres_phase2_forward", validate::kPhase2, 2, false, params);
 }
 attnres_status attnres_phase2_backward(const attnres_params* params) {
-  return RunPhase("attnres_phase2_backward", validate::Phase2Backward, params, 2, true);
+  return RunPhase("attnres_phase2_backward", validate::kPhase2, 2, true, params);
 }
 
 const char* attnres_last_error(void) { return attnres::g_last_error.c_str(); }

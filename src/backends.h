@@ -1,5 +1,6 @@
-// The internal boundary between the C ABI (src/abi.cc, which validates) and the
-// backends (src/cpu/, src/cuda/), which trust the params they are given.
+// The internal boundary between the C ABI (src/abi.cc, which validates through
+// src/validate/) and the backends (src/cpu/, src/cuda/), which trust the params
+// they are given.
 #ifndef ATTNRES_SRC_BACKENDS_H_
 #define ATTNRES_SRC_BACKENDS_H_
 

@@ -1,7 +1,6 @@
 // The single op's rules (attnres_forward, attnres_backward): L = N + (partial !=
 // NULL) >= 1 sources of [num_tokens rows of dim], w and gamma of [dim], the
 // optional [num_tokens, L] caches.
-#include "validate/validate.h"
 #include "validate/validator.h"
 
 namespace attnres::validate {
@@ -55,12 +54,6 @@ void BackwardOutputs(Validator& v, const attnres_params* p) {
 
 }  // namespace
 
-attnres_status Forward(const attnres_params* p) {
-  return Run("attnres_forward", p, Inputs, ForwardOutputs);
-}
-
-attnres_status Backward(const attnres_params* p) {
-  return Run("attnres_backward", p, Inputs, BackwardOutputs);
-}
+extern const OpRules kBlockAttnRes = {Inputs, ForwardOutputs, BackwardOutputs};
 
 }  // namespace attnres::validate

@@ -1,7 +1,6 @@
 // Phase 1's rules (attnres_phase1_forward, attnres_phase1_backward): N >= 1
 // blocks and no partial block, S = num_queries queries with w and gamma of
 // [S, dim], per query an output and an LSE (their gradients backward).
-#include "validate/validate.h"
 #include "validate/validator.h"
 
 namespace attnres::validate {
@@ -69,12 +68,6 @@ void BackwardOutputs(Validator& v, const attnres_params* p) {
 
 }  // namespace
 
-attnres_status Phase1Forward(const attnres_params* p) {
-  return Run("attnres_phase1_forward", p, Inputs, ForwardOutputs);
-}
-
-attnres_status Phase1Backward(const attnres_params* p) {
-  return Run("attnres_phase1_backward", p, Inputs, BackwardOutputs);
-}
+extern const OpRules kPhase1 = {Inputs, ForwardOutputs, BackwardOutputs};
 
 }  // namespace attnres::validate

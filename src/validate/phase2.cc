@@ -3,7 +3,6 @@
 // [dim], the optional input norm and the optional fused partial-block update.
 #include <cmath>
 
-#include "validate/validate.h"
 #include "validate/validator.h"
 
 namespace attnres::validate {
@@ -85,12 +84,6 @@ void BackwardOutputs(Validator& v, const attnres_params* p) {
 
 }  // namespace
 
-attnres_status Phase2Forward(const attnres_params* p) {
-  return Run("attnres_phase2_forward", p, Inputs, ForwardOutputs);
-}
-
-attnres_status Phase2Backward(const attnres_params* p) {
-  return Run("attnres_phase2_backward", p, Inputs, BackwardOutputs);
-}
+extern const OpRules kPhase2 = {Inputs, ForwardOutputs, BackwardOutputs};
 
 }  // namespace attnres::validate

@@ -36,10 +36,11 @@ void Validator::NoOverlap() {
   }
 }
 
-attnres_status Run(const char* function, const attnres_params* p, Rules inputs, Rules outputs) {
+attnres_status Run(const char* function, const attnres_params* p, const OpRules& op,
+                   bool backward) {
   Validator v(function);
-  inputs(v, p);
-  if (v.ok()) outputs(v, p);
+  op.inputs(v, p);
+  if (v.ok()) (backward ? op.backward : op.forward)(v, p);
   v.NoOverlap();
   return v.Finish();
 }

@@ -14,6 +14,7 @@
 
 #include "attnres/attnres.h"
 #include "backends.h"
+#include "validate/validate.h"
 
 namespace attnres::validate {
 
@@ -130,15 +131,6 @@ class Validator {
   std::string message_;
   std::vector<Span>& spans_;
 };
-
-// The rules of one op's inputs, or of one entry point's outputs (and the inputs
-// only it reads); each returns early once the validator has failed.
-using Rules = void (*)(Validator& v, const attnres_params* p);
-
-// One entry point's validation: `inputs`, then `outputs` if they passed, then the
-// overlap sweep over every span recorded. Returns the status (and records the
-// message) of the first failure.
-attnres_status Run(const char* function, const attnres_params* p, Rules inputs, Rules outputs);
 
 // Bounds that keep every size the backends derive (padded rows, scratch of a tile
 // times L, S x N stats) inside int64; no buffer that large can exist anyway.
