@@ -495,86 +495,86 @@ TEST(CudaBackend, MisalignedPointersGiveTheAlignedBits) {
   }
 }
 
+// Rows `stride` elements apart in device memory, written and read one row at a
+// time (no host copy of the gigabytes between them); `guard` bytes after each
+// row, and before each but the first, must keep the sentinel.
+struct DeviceRows {
+  attnres_dtype dtype;
+  int64_t rows, dim, stride;
+  size_t guard;
+
+  size_t elem() const { return DTypeSize(dtype); }
+  size_t bytes() const { return static_cast<size_t>((rows - 1) * stride + dim) * elem() + guard; }
+
+  void Upload(DeviceMemory* buf, const std::vector<double>& values) const {
+    buf->Fill(kInputPadding);
+    Buffer row(dtype, dim, kInputPadding);
+    for (int64_t t = 0; t < rows; ++t) {
+      for (int64_t d = 0; d < dim; ++d) row.Set(d, values[t * dim + d]);
+      EXPECT_EQ(cudaMemcpy(static_cast<char*>(buf->get()) + t * stride * elem(), row.data(),
+                           dim * elem(), cudaMemcpyHostToDevice),
+                cudaSuccess);
+    }
+  }
+
+  // Whether the `guard` bytes at `at` hold the sentinel.
+  bool SentinelAt(const char* at) const {
+    std::vector<uint8_t> around(guard);
+    EXPECT_EQ(cudaMemcpy(around.data(), at, guard, cudaMemcpyDeviceToHost), cudaSuccess);
+    return std::all_of(around.begin(), around.end(), [](uint8_t b) { return b == kOutputSentinel; });
+  }
+
+  std::vector<double> Read(const DeviceMemory& buf, const std::string& name) const {
+    std::vector<double> v(rows * dim);
+    Buffer row(dtype, dim, kOutputSentinel);
+    for (int64_t t = 0; t < rows; ++t) {
+      const char* at = static_cast<const char*>(buf.get()) + t * stride * elem();
+      EXPECT_EQ(cudaMemcpy(row.data(), at, dim * elem(), cudaMemcpyDeviceToHost), cudaSuccess);
+      for (int64_t d = 0; d < dim; ++d) v[t * dim + d] = row.Get(d);
+      EXPECT_TRUE(SentinelAt(at + dim * elem())) << name << ": bytes after row " << t << " written";
+      if (t > 0) EXPECT_TRUE(SentinelAt(at - guard)) << name << ": bytes before row " << t << " written";
+    }
+    return v;
+  }
+};
+
+// An input vector with its device twin.
+Buffer DeviceVector(attnres_dtype dtype, const std::vector<double>& values, uint8_t fill) {
+  Buffer b(dtype, values.size(), fill);
+  for (size_t k = 0; k < values.size(); ++k) b.Set(k, values[k]);
+  b.AddDeviceTwin(0);
+  return b;
+}
+
 // Row strides of 2^31 + 8 elements: token 1's rows start 4 or 8 GiB into each
 // buffer, past every 32-bit offset. Buffers are filled and read on the device
-// (no host copy of the gigabytes in between), so this test lays them out
-// itself rather than through AbiProblem.
+// (DeviceRows), so this test lays them out itself rather than through AbiProblem.
 void CheckLargeStride(attnres_dtype dtype) {
-  Case c;
-  c.dtype = dtype;
-  c.dim = 72;
-  c.num_blocks = 1;
-  c.has_partial = true;
-  c.tokens = 2;
+  Case c(dtype, 2, 72, 1, 1);
   SCOPED_TRACE(c.Describe());
-  const int64_t stride = (int64_t{1} << 31) + 8, T = c.tokens, D = c.dim, L = c.num_sources();
-  const size_t elem = DTypeSize(dtype);
-  const size_t guard = 64;  // bytes past the last row, to catch writes beyond it
-  const size_t bytes = (static_cast<size_t>((T - 1) * stride + D)) * elem + guard;
+  const int64_t T = c.tokens, D = c.dim, L = c.num_sources();
+  const DeviceRows rows{dtype, T, D, (int64_t{1} << 31) + 8, 64};
   size_t free_bytes = 0, total_bytes = 0;
   ASSERT_CUDA_OK(cudaMemGetInfo(&free_bytes, &total_bytes));
-  const size_t need = (2 * L + 2) * bytes + (size_t{1} << 30);
+  const size_t need = (2 * L + 2) * rows.bytes() + (size_t{1} << 30);
   if (free_bytes < need) {
     GTEST_SKIP() << "needs " << (need >> 30) << " GiB of device memory, " << (free_bytes >> 30)
                  << " GiB free";
   }
   const attnres::ref::Problem problem = MakeProblem(c);
   const std::vector<double> grad_out = MakeGradOut(c);
-  auto upload_rows = [&](DeviceMemory* buf, const std::vector<double>& values) {
-    buf->Fill(kInputPadding);
-    Buffer row(dtype, D, kInputPadding);
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t d = 0; d < D; ++d) row.Set(d, values[t * D + d]);
-      EXPECT_EQ(cudaMemcpy(static_cast<char*>(buf->get()) + t * stride * elem, row.data(),
-                           D * elem, cudaMemcpyHostToDevice),
-                cudaSuccess);
-    }
-  };
-  // Reads the rows back and checks the 64 bytes after each row, and before the
-  // second, still hold the sentinel.
-  auto read_rows = [&](const DeviceMemory& buf, const std::string& name) {
-    std::vector<double> v(T * D);
-    Buffer row(dtype, D, kOutputSentinel);
-    std::vector<uint8_t> around(guard);
-    for (int64_t t = 0; t < T; ++t) {
-      const char* at = static_cast<const char*>(buf.get()) + t * stride * elem;
-      EXPECT_EQ(cudaMemcpy(row.data(), at, D * elem, cudaMemcpyDeviceToHost), cudaSuccess);
-      for (int64_t d = 0; d < D; ++d) v[t * D + d] = row.Get(d);
-      EXPECT_EQ(cudaMemcpy(around.data(), at + D * elem, guard, cudaMemcpyDeviceToHost),
-                cudaSuccess);
-      EXPECT_TRUE(std::all_of(around.begin(), around.end(),
-                              [](uint8_t b) { return b == kOutputSentinel; }))
-          << name << ": bytes after row " << t << " written";
-      if (t > 0) {
-        EXPECT_EQ(cudaMemcpy(around.data(), at - guard, guard, cudaMemcpyDeviceToHost),
-                  cudaSuccess);
-        EXPECT_TRUE(std::all_of(around.begin(), around.end(),
-                                [](uint8_t b) { return b == kOutputSentinel; }))
-            << name << ": bytes before row " << t << " written";
-      }
-    }
-    return v;
-  };
-  std::vector<DeviceMemory> sources;
+  std::vector<DeviceMemory> sources, grads;
   for (int64_t i = 0; i < L; ++i) {
-    sources.emplace_back(bytes, 0);
-    upload_rows(&sources.back(), problem.sources[i]);
-  }
-  Buffer w(dtype, D, kInputPadding), gamma(dtype, D, kInputPadding);
-  for (int64_t d = 0; d < D; ++d) {
-    w.Set(d, problem.w[d]);
-    gamma.Set(d, problem.gamma[d]);
-  }
-  w.AddDeviceTwin(0);
-  gamma.AddDeviceTwin(0);
-  DeviceMemory out(bytes, 0), d_grad_out(bytes, 0);
-  upload_rows(&d_grad_out, grad_out);
-  out.Fill(kOutputSentinel);
-  std::vector<DeviceMemory> grads;
-  for (int64_t i = 0; i < L; ++i) {
-    grads.emplace_back(bytes, 0);
+    sources.emplace_back(rows.bytes(), 0);
+    rows.Upload(&sources.back(), problem.sources[i]);
+    grads.emplace_back(rows.bytes(), 0);
     grads.back().Fill(kOutputSentinel);
   }
+  Buffer w = DeviceVector(dtype, problem.w, kInputPadding);
+  Buffer gamma = DeviceVector(dtype, problem.gamma, kInputPadding);
+  DeviceMemory out(rows.bytes(), 0), d_grad_out(rows.bytes(), 0);
+  rows.Upload(&d_grad_out, grad_out);
+  out.Fill(kOutputSentinel);
   Buffer grad_w(dtype, D, kOutputSentinel), grad_gamma(dtype, D, kOutputSentinel);
   grad_w.AddDeviceTwin(0);
   grad_gamma.AddDeviceTwin(0);
@@ -582,32 +582,25 @@ void CheckLargeStride(attnres_dtype dtype) {
 
   const void* blocks[1] = {sources[0].get()};
   void* grad_blocks[1] = {grads[0].get()};
-  attnres_params p;
-  attnres_params_init(&p);
-  p.device = ATTNRES_DEVICE_CUDA;
-  p.num_tokens = T;
-  p.dim = D;
+  attnres_params p = CommonParams(ATTNRES_DEVICE_CUDA, dtype, T, D, rows.stride, 1.0, 1e-6, true);
   p.num_blocks = 1;
-  p.dtype = dtype;
   p.blocks = blocks;
   p.partial = sources[1].get();
-  p.source_row_stride = stride;
   p.proj_weight = w.abi_data();
   p.gamma = gamma.abi_data();
   p.out = out.get();
-  p.out_row_stride = stride;
+  p.out_row_stride = rows.stride;
   ASSERT_EQ(attnres_forward(&p), ATTNRES_OK) << attnres_last_error();
   ASSERT_CUDA_OK(cudaDeviceSynchronize());
   const Tolerance tol = ToleranceFor(dtype);
-  EXPECT_TRUE(Close("out", read_rows(out, "out"), attnres::ref::Forward(problem).out, tol.out));
+  EXPECT_TRUE(Close("out", rows.Read(out, "out"), attnres::ref::Forward(problem).out, tol.out));
 
   p.out = nullptr;
   p.out_row_stride = 0;
   p.grad_out = d_grad_out.get();
-  p.grad_out_row_stride = stride;
+  p.grad_out_row_stride = p.grad_source_row_stride = rows.stride;
   p.grad_blocks = grad_blocks;
   p.grad_partial = grads[1].get();
-  p.grad_source_row_stride = stride;
   p.grad_proj_weight = grad_w.abi_data();
   p.grad_gamma = grad_gamma.abi_data();
   ASSERT_EQ(attnres_backward(&p), ATTNRES_OK) << attnres_last_error();
@@ -615,7 +608,7 @@ void CheckLargeStride(attnres_dtype dtype) {
   const attnres::ref::BackwardResult ref = attnres::ref::Backward(problem, grad_out);
   for (int64_t i = 0; i < L; ++i) {
     const std::string name = "grad_source[" + std::to_string(i) + "]";
-    EXPECT_TRUE(Close(name, read_rows(grads[i], name), ref.grad_sources[i], tol.grad));
+    EXPECT_TRUE(Close(name, rows.Read(grads[i], name), ref.grad_sources[i], tol.grad));
   }
   grad_w.Download();
   std::string layout_error;

@@ -80,14 +80,61 @@ std::unique_ptr<Mapping> MapRows(int64_t tokens, int64_t extra_elems, attnres_dt
   return m;
 }
 
+// The rows of a [rows, dim] tensor kStride elements apart in `m`; the 32 elements
+// after each must still be zero (the mapping's fill).
+void ReadMapped(const Mapping& m, int64_t rows, int64_t dim, attnres_dtype dtype,
+                const std::string& name, std::vector<double>* v) {
+  v->assign(rows * dim, 0.0);
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t d = 0; d < dim; ++d) (*v)[t * dim + d] = Load(m.data(), t * kStride + d, dtype);
+    for (int64_t d = dim; d < dim + 32; ++d) {
+      ASSERT_EQ(Load(m.data(), t * kStride + d, dtype), 0.0) << "written after row " << t << " of " << name;
+    }
+  }
+}
+
+// Stores a [rows, dim] tensor's rows kStride elements apart, the first `first`
+// elements into `m`.
+void StoreMapped(Mapping* m, const std::vector<double>& values, int64_t rows, int64_t dim,
+                 int64_t first, attnres_dtype dtype) {
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t d = 0; d < dim; ++d) Store(m->data(), t * kStride + first + d, dtype, values[t * dim + d]);
+  }
+}
+
+// The forward of `dense`'s problem with its sources at block_ptrs and partial
+// (rows kStride apart) and out in `out`: out and alpha bit for bit the dense run's.
+void ExpectMappedForward(AbiProblem& dense, const std::vector<const void*>& block_ptrs,
+                         const void* partial, const Mapping& out, const ForwardOutput& f_dense) {
+  const Case& c = dense.config();
+  const attnres_dtype dtype = c.dtype;
+  const int64_t T = c.tokens, D = c.dim, L = c.num_sources();
+  attnres_params p = dense.InputParams();  // w and gamma from the dense problem
+  p.blocks = block_ptrs.data();
+  p.partial = partial;
+  p.source_row_stride = kStride;
+  p.out = out.data();
+  p.out_row_stride = kStride;
+  std::vector<double> alpha(T * L);
+  std::vector<float> alpha_f(T * L);
+  if (dtype == ATTNRES_DTYPE_FLOAT64) {
+    p.alpha_cache = alpha.data();
+  } else {
+    p.alpha_cache = alpha_f.data();
+  }
+  ASSERT_EQ(attnres_forward(&p), ATTNRES_OK) << attnres_last_error();
+
+  std::vector<double> out_values;
+  ASSERT_NO_FATAL_FAILURE(ReadMapped(out, T, D, dtype, "out", &out_values));
+  EXPECT_TRUE(BitwiseEqual(out_values, f_dense.out)) << "out differs from the dense layout";
+  if (dtype != ATTNRES_DTYPE_FLOAT64) {
+    for (int64_t k = 0; k < T * L; ++k) alpha[k] = alpha_f[k];
+  }
+  EXPECT_TRUE(BitwiseEqual(alpha, f_dense.alpha)) << "alpha differs from the dense layout";
+}
+
 void CheckLargeOffsets(attnres_dtype dtype, int threads) {
-  Case c;
-  c.tokens = 20;  // several tiles (8 rows each at this dim) and a partial one
-  c.dim = 1000;
-  c.num_blocks = 2;
-  c.has_partial = true;
-  c.dtype = dtype;
-  c.seed = 3131;
+  Case c(dtype, 20, 1000, 2, 3131);  // 20 tokens: several tiles (8 rows each at this dim) and a partial one
   SCOPED_TRACE(c.Describe() + " threads=" + std::to_string(threads));
   const int64_t T = c.tokens, D = c.dim, L = c.num_sources();
   const attnres::ref::Problem problem = MakeProblem(c);
@@ -115,49 +162,18 @@ void CheckLargeOffsets(attnres_dtype dtype, int threads) {
   std::vector<const void*> block_ptrs;
   const size_t es = DTypeSize(dtype);
   for (int64_t i = 0; i < L; ++i) {
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t d = 0; d < D; ++d) {
-        Store(sources->data(), t * kStride + i * D + d, dtype, problem.sources[i][t * D + d]);
-      }
-    }
+    StoreMapped(sources.get(), problem.sources[i], T, D, i * D, dtype);
     if (i < c.num_blocks) block_ptrs.push_back(sources->data() + i * D * es);
   }
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t d = 0; d < D; ++d) Store(g_out->data(), t * kStride + d, dtype, grad_out[t * D + d]);
-  }
+  StoreMapped(g_out.get(), grad_out, T, D, 0, dtype);
 
   attnres_set_num_threads(threads);
-  attnres_params p = dense.InputParams();  // w and gamma from the dense problem
-  p.blocks = block_ptrs.data();
-  p.partial = sources->data() + c.num_blocks * D * es;
-  p.source_row_stride = kStride;
-  p.out = out->data();
-  p.out_row_stride = kStride;
-  std::vector<double> alpha(T * L);
-  std::vector<float> alpha_f(T * L);
-  if (dtype == ATTNRES_DTYPE_FLOAT64) {
-    p.alpha_cache = alpha.data();
-  } else {
-    p.alpha_cache = alpha_f.data();
-  }
-  ASSERT_EQ(attnres_forward(&p), ATTNRES_OK) << attnres_last_error();
-
-  std::vector<double> out_values(T * D);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t d = 0; d < D; ++d) out_values[t * D + d] = Load(out->data(), t * kStride + d, dtype);
-    for (int64_t d = D; d < D + 32; ++d) {
-      ASSERT_EQ(Load(out->data(), t * kStride + d, dtype), 0.0) << "written after out row " << t;
-    }
-  }
-  EXPECT_TRUE(BitwiseEqual(out_values, f_dense.out)) << "out differs from the dense layout";
-  if (dtype != ATTNRES_DTYPE_FLOAT64) {
-    for (int64_t k = 0; k < T * L; ++k) alpha[k] = alpha_f[k];
-  }
-  EXPECT_TRUE(BitwiseEqual(alpha, f_dense.alpha)) << "alpha differs from the dense layout";
+  const void* partial = sources->data() + c.num_blocks * D * es;
+  ASSERT_NO_FATAL_FAILURE(ExpectMappedForward(dense, block_ptrs, partial, *out, f_dense));
 
   attnres_params b = dense.InputParams();
   b.blocks = block_ptrs.data();
-  b.partial = p.partial;
+  b.partial = partial;
   b.source_row_stride = kStride;
   b.grad_out = g_out->data();
   b.grad_out_row_stride = kStride;
@@ -173,14 +189,9 @@ void CheckLargeOffsets(attnres_dtype dtype, int threads) {
   attnres_set_num_threads(0);
 
   for (int64_t i = 0; i < L; ++i) {
-    std::vector<double> g(T * D);
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t d = 0; d < D; ++d) g[t * D + d] = Load(grads[i]->data(), t * kStride + d, dtype);
-      for (int64_t d = D; d < D + 32; ++d) {
-        ASSERT_EQ(Load(grads[i]->data(), t * kStride + d, dtype), 0.0)
-            << "written after row " << t << " of the gradient of source " << i;
-      }
-    }
+    std::vector<double> g;
+    ASSERT_NO_FATAL_FAILURE(
+        ReadMapped(*grads[i], T, D, dtype, "the gradient of source " + std::to_string(i), &g));
     EXPECT_TRUE(BitwiseEqual(g, b_dense.grad_sources[i])) << "grad of source " << i;
   }
   std::vector<double> gw(D), gg(D);
